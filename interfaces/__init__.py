@@ -1,0 +1,78 @@
+"""Brigade's contracts: what a plugin implements and the data that crosses station boundaries.
+
+Imports only the standard library and pluggy at runtime (torch appears in type hints only), so
+a plugin package can depend on these contracts cheaply.
+
+=================  ===================================  ==========================================
+kind               contract                             factory is called as
+=================  ===================================  ==========================================
+``scheduler``      :class:`Scheduler`                   ``factory(params, kv, options)``
+``kv``             :class:`KVManager`                   ``factory(pool_params, options)``
+``executor``       :class:`Executor`                    ``factory(executor_params, options)``
+``attention``      :class:`AttentionBackend`            ``factory(options)``
+``sampler``        :class:`Sampler`                     ``factory(options)``
+``logits_processor`` :class:`LogitsProcessor`           ``factory(options)``
+``detokenizer``    :class:`Detokenizer`                 ``factory(tokenizer, options)``
+``model``          :class:`ModelArchitecture`           ``factory()``; named by HF architecture
+=================  ===================================  ==========================================
+"""
+
+from brigade.interfaces.attention import AttentionBackend, AttentionLayer, PageSizeRule
+from brigade.interfaces.batch import ModelInput
+from brigade.interfaces.detokenizer import Detokenizer, TextDelta
+from brigade.interfaces.executor import Executor, ExecutorParams, KVCacheSpec
+from brigade.interfaces.hookspecs import BrigadeHookSpec, ComponentRegistry, hookimpl
+from brigade.interfaces.kv import Allocation, KVManager, KVPoolParams, KVStats
+from brigade.interfaces.model import CausalLM, ModelArchitecture
+from brigade.interfaces.options import NoOptions, option
+from brigade.interfaces.request import Request, RequestStatus, ScheduledRequest, SchedulerOutput
+from brigade.interfaces.sampler import LogitsProcessor, SampleOutput, Sampler
+from brigade.interfaces.sampling import SamplingParams
+from brigade.interfaces.scheduler import Scheduler, SchedulerParams, SchedulerStats
+
+COMPONENT_KINDS: dict[str, type] = {
+    "scheduler": Scheduler,
+    "kv": KVManager,
+    "executor": Executor,
+    "attention": AttentionBackend,
+    "sampler": Sampler,
+    "logits_processor": LogitsProcessor,
+    "detokenizer": Detokenizer,
+    "model": ModelArchitecture,
+}
+"""Every component kind and the contract its implementations fulfil."""
+
+__all__ = [
+    "COMPONENT_KINDS",
+    "Allocation",
+    "AttentionBackend",
+    "AttentionLayer",
+    "BrigadeHookSpec",
+    "CausalLM",
+    "ComponentRegistry",
+    "Detokenizer",
+    "Executor",
+    "ExecutorParams",
+    "KVCacheSpec",
+    "KVManager",
+    "KVPoolParams",
+    "KVStats",
+    "LogitsProcessor",
+    "ModelArchitecture",
+    "ModelInput",
+    "NoOptions",
+    "PageSizeRule",
+    "Request",
+    "RequestStatus",
+    "SampleOutput",
+    "Sampler",
+    "SamplingParams",
+    "ScheduledRequest",
+    "Scheduler",
+    "SchedulerOutput",
+    "SchedulerParams",
+    "SchedulerStats",
+    "TextDelta",
+    "hookimpl",
+    "option",
+]

@@ -1,0 +1,82 @@
+"""Executor: runs one batched forward pass over the paged KV cache."""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    import torch
+
+    from brigade.interfaces.attention import AttentionBackend
+    from brigade.interfaces.batch import ModelInput
+
+__all__ = ["Executor", "ExecutorParams", "KVCacheSpec"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ExecutorParams:
+    """What core hands every executor at construction (plugin options come separately)."""
+
+    model_path: str
+    """A Hugging Face-format model directory."""
+    dtype: str
+    """'auto' (the checkpoint's), 'float32', 'bfloat16' or 'float16'."""
+    attention: AttentionBackend
+    page_size: int
+    kv_cache_dtype: str
+    """'auto' (same as the model) or a dtype name."""
+    max_model_len: int
+    """0 = the model's max_position_embeddings."""
+    seed: int = 0
+    model_factory: Any = None
+    """The ``ModelArchitecture`` for the directory's ``architectures`` name, chosen by core."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KVCacheSpec:
+    """The KV cache the loaded model needs, so core can size the page pool."""
+
+    num_layers: int
+    page_size: int
+    bytes_per_page: int
+    """K and V of all layers for one page."""
+    available_bytes: int
+    """Memory the executor can give the KV pool now (after weights)."""
+    max_model_len: int
+    vocab_size: int
+
+
+class Executor(abc.ABC):
+    """Owns the model weights, the KV tensors and the device; computes logits for a batch.
+
+    Ownership: the executor allocates the KV tensors once (:meth:`initialize_kv_cache`) and
+    never decides which pages a request uses: block tables and slot mappings arrive in the
+    :class:`ModelInput`. It never mutates requests.
+    """
+
+    supports_copy_pages: ClassVar[bool] = False
+
+    @abc.abstractmethod
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """Describe the KV cache this model needs per page and the memory left for it."""
+
+    @abc.abstractmethod
+    def initialize_kv_cache(self, num_pages: int) -> None:
+        """Allocate K and V tensors for ``num_pages`` pages in every layer (called once)."""
+
+    @abc.abstractmethod
+    def execute(self, batch: ModelInput) -> torch.Tensor:
+        """Run one forward pass; return float32 logits ``[len(batch.logits_indices), vocab]``."""
+
+    def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Copy page ``src[i]`` to ``dst[i]`` in every layer (forks, swap staging).
+
+        Executors that set ``supports_copy_pages`` implement this.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not support copy_pages")
+
+    def shutdown(self) -> None:  # noqa: B027 - optional hook with a no-op default
+        """Release devices, processes and memory; the executor is unusable afterwards."""

@@ -1,0 +1,104 @@
+"""Per-request sampling parameters (the request side of the Sampler contract)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+
+__all__ = ["SamplingParams"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How one request's tokens are chosen and when it stops.
+
+    Validated on construction: a bad value raises ``ValueError`` naming the field and the
+    allowed range, so a request is refused before it reaches the engine.
+    """
+
+    max_tokens: int = 16
+    """Most tokens to generate."""
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 disables top-k."""
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Mapping[int, float] | None = None
+    seed: int | None = None
+    """Same seed, same output, whatever else is batched."""
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    """No EOS or stop token is accepted before this many tokens."""
+    logprobs: int | None = None
+    """Return the top-N log probabilities of each sampled position (0 = sampled token only)."""
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        _require(self.max_tokens >= 1, "max_tokens", self.max_tokens, "an integer >= 1")
+        _require(
+            math.isfinite(self.temperature) and self.temperature >= 0,
+            "temperature",
+            self.temperature,
+            "a number >= 0",
+        )
+        _require(0 < self.top_p <= 1, "top_p", self.top_p, "a number in (0, 1]")
+        _require(self.top_k >= 0, "top_k", self.top_k, "an integer >= 0 (0 disables it)")
+        _require(0 <= self.min_p <= 1, "min_p", self.min_p, "a number in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _require(-2 <= value <= 2, name, value, "a number in [-2, 2]")
+        _require(
+            math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
+            "repetition_penalty",
+            self.repetition_penalty,
+            "a number > 0",
+        )
+        _require(self.min_tokens >= 0, "min_tokens", self.min_tokens, "an integer >= 0")
+        _require(
+            self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens, "<= max_tokens"
+        )
+        _require(
+            self.logprobs is None or 0 <= self.logprobs <= 20,
+            "logprobs",
+            self.logprobs,
+            "an integer in [0, 20]",
+        )
+        _require(self.n >= 1, "n", self.n, "an integer >= 1")
+        _require(
+            all(isinstance(s, str) and s for s in self.stop),
+            "stop",
+            self.stop,
+            "non-empty strings",
+        )
+        _require(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            self.stop_token_ids,
+            "token ids >= 0",
+        )
+        if self.logit_bias is not None:
+            _require(
+                all(-100 <= b <= 100 for b in self.logit_bias.values()),
+                "logit_bias",
+                dict(self.logit_bias),
+                "biases in [-100, 100]",
+            )
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when the argmax is taken (temperature 0)."""
+        return self.temperature == 0.0
+
+
+def _require(ok: bool, name: str, value: object, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"sampling parameter {name}={value!r} is invalid: expected {allowed}")

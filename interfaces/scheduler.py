@@ -1,0 +1,68 @@
+"""Scheduler: decides which requests run in the next step and with how many tokens."""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Iterable
+
+from brigade.interfaces.kv import KVManager
+from brigade.interfaces.request import Request, SchedulerOutput
+
+__all__ = ["Scheduler", "SchedulerParams", "SchedulerStats"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SchedulerParams:
+    """Limits core hands the scheduler at construction."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool = True
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+
+
+class Scheduler(abc.ABC):
+    """Continuous batching policy.
+
+    Ownership: the scheduler holds the waiting and running queues, is the KV manager's only
+    caller during :meth:`schedule` (admission only when ``kv.allocate`` succeeds; preemption
+    when a running request cannot grow), and writes ``status``, ``num_computed_tokens`` and
+    ``num_preemptions`` of its requests. Core appends sampled tokens and decides when a request
+    is finished; it then calls :meth:`update` and frees the pages.
+    """
+
+    def __init__(self, params: SchedulerParams, kv: KVManager) -> None:
+        self.params = params
+        self.kv = kv
+
+    @abc.abstractmethod
+    def add(self, request: Request) -> None:
+        """Queue a new request (status WAITING)."""
+
+    @abc.abstractmethod
+    def abort(self, request_id: str) -> Request | None:
+        """Remove a request wherever it is; return it (or None if unknown)."""
+
+    @abc.abstractmethod
+    def schedule(self) -> SchedulerOutput:
+        """Plan the next step under the token budget; decodes first, then prefill chunks."""
+
+    @abc.abstractmethod
+    def update(self, output: SchedulerOutput, finished: Iterable[Request]) -> None:
+        """Account for a completed step: advance computed counts, drop finished requests."""
+
+    @abc.abstractmethod
+    def has_unfinished(self) -> bool:
+        """True while any request waits or runs."""
+
+    @abc.abstractmethod
+    def stats(self) -> SchedulerStats:
+        """Queue sizes and counters for metrics."""
