@@ -1,0 +1,198 @@
+"""The engine config: one TOML table per station, validated against typed schemas.
+
+Precedence, lowest first: built-in defaults, the TOML file, ``BRIGADE_<STATION>__<KEY>``
+environment variables, ``--set station.key=value`` flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from brigade.errors import ConfigError, UnknownComponentError
+from brigade.options import build_options, unknown_key_error
+from brigade.registry import Registry
+from brigade.stations import STATIONS, Station
+
+__all__ = ["EngineConfig", "StationConfig", "check_config", "load_config", "parse_override"]
+
+ENV_PREFIX = "BRIGADE_"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StationConfig:
+    """One station's validated table."""
+
+    plugin: str | None
+    """The selected component's name (None for a station with no plugin chosen)."""
+    settings: Any
+    """The station's own options (e.g. ``[kv] page_size``), shared by all its plugins."""
+    options: Any
+    """The plugin's options instance (``NoOptions()`` when there is no plugin)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """The assembled, validated and frozen configuration."""
+
+    stations: Mapping[str, StationConfig]
+    source: str
+    """Where it came from (file path or '(defaults)'), for error messages."""
+
+    def __getitem__(self, station: str) -> StationConfig:
+        return self.stations[station]
+
+    @property
+    def components(self) -> dict[str, str]:
+        """Station -> selected plugin name, for logs and ``brigade_engine_started``."""
+        return {name: s.plugin for name, s in self.stations.items() if s.plugin is not None}
+
+
+def load_config(
+    path: str | os.PathLike[str] | None,
+    registry: Registry,
+    *,
+    overrides: Sequence[str] = (),
+    environ: Mapping[str, str] | None = None,
+) -> EngineConfig:
+    """Read, merge and validate a config. ``path=None`` means defaults only."""
+    source = str(path) if path is not None else "(defaults)"
+    tables = _read_toml(Path(path)) if path is not None else {}
+    _merge(tables, _env_overrides(os.environ if environ is None else environ), "environment")
+    _merge(tables, dict(parse_override(o) for o in overrides), "--set")
+    unknown = sorted(set(tables) - set(STATIONS))
+    if unknown:
+        raise ConfigError(
+            f"{source}: unknown table [{unknown[0]}]; tables are {', '.join(STATIONS)}"
+        )
+    stations = {
+        name: _build_station(station, tables.get(name, {}), registry, source)
+        for name, station in STATIONS.items()
+    }
+    return EngineConfig(stations=stations, source=source)
+
+
+def check_config(config: EngineConfig, registry: Registry) -> list[str]:
+    """Cross-station checks that need no model weights; returns notes for the user.
+
+    Raises ``ConfigError`` when stations disagree (e.g. a page size the attention backend
+    cannot read, a model directory that does not exist).
+    """
+    notes: list[str] = []
+    attention = config["attention"]
+    if attention.plugin is not None:
+        backend = registry.get("attention", attention.plugin).factory
+        rule = backend.supported_page_sizes(attention.options)
+        page_size = config["kv"].settings.page_size
+        if not rule.allows(page_size):
+            raise ConfigError(
+                f"{config.source}: [kv] page_size = {page_size} cannot be read by attention "
+                f"backend {attention.plugin!r}; it needs {rule.describe()}"
+            )
+    model_path = config["model"].settings.path
+    if model_path == "default":
+        notes.append("model: the built-in default model (built and cached on first use)")
+    else:
+        from brigade.models.loader import read_hf_config  # reads one JSON file, no weights
+
+        hf_config = read_hf_config(model_path)
+        names = hf_config.get("architectures") or []
+        supported = [n for n in names if n in registry.names("model")]
+        if not supported:
+            raise ConfigError(
+                f"{config.source}: [model] path {model_path!r} is a {', '.join(names)} model; "
+                f"supported architectures: {', '.join(registry.names('model'))}"
+            )
+        notes.append(f"model: {model_path} ({supported[0]})")
+    return notes
+
+
+def parse_override(text: str) -> tuple[str, dict[str, Any]]:
+    """``'kv.page_size=32'`` -> ``('kv', {'page_size': 32})``; the value is read as TOML."""
+    key, sep, raw = text.partition("=")
+    station, dot, option = key.strip().partition(".")
+    if not sep or not dot or not station or not option:
+        raise ConfigError(f"override {text!r} must look like station.key=value")
+    return station, {option: _parse_value(raw.strip())}
+
+
+def _parse_value(raw: str) -> Any:
+    try:
+        return tomllib.loads(f"value = {raw}")["value"]
+    except tomllib.TOMLDecodeError:
+        return raw  # a bare word is a string: --set model.path=/models/x
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+    for name, table in data.items():
+        if not isinstance(table, dict):
+            raise ConfigError(
+                f"{path}: top-level key {name!r} must be a table like [{name}]; "
+                f"tables are {', '.join(STATIONS)}"
+            )
+    return data
+
+
+def _env_overrides(environ: Mapping[str, str]) -> dict[str, dict[str, Any]]:
+    tables: dict[str, dict[str, Any]] = {}
+    for name, raw in environ.items():
+        if not name.startswith(ENV_PREFIX) or "__" not in name:
+            continue
+        station, _, option = name[len(ENV_PREFIX) :].lower().partition("__")
+        tables.setdefault(station, {})[option] = _parse_value(raw)
+    return tables
+
+
+def _merge(tables: dict[str, Any], extra: Mapping[str, Mapping[str, Any]], origin: str) -> None:
+    for station, values in extra.items():
+        if station not in STATIONS:
+            raise ConfigError(
+                f"{origin}: unknown station {station!r}; stations are {', '.join(STATIONS)}"
+            )
+        tables.setdefault(station, {}).update(values)
+
+
+def _build_station(
+    station: Station, table: Mapping[str, Any], registry: Registry, source: str
+) -> StationConfig:
+    where = f"{source} [{station.name}]"
+    values = dict(table)
+    plugin = values.pop("plugin", station.default_plugin)
+    if not station.kind and "plugin" in table:
+        raise ConfigError(f"{where}: this table selects no plugin; remove 'plugin'")
+    if plugin is not None and not isinstance(plugin, str):
+        raise ConfigError(f"{where} plugin: expected a plugin name (str), got {plugin!r}")
+    setting_keys = {f.name for f in dataclasses.fields(station.settings_type)}
+    settings = build_options(
+        station.settings_type, {k: v for k, v in values.items() if k in setting_keys}, where
+    )
+    plugin_values = {k: v for k, v in values.items() if k not in setting_keys}
+    if plugin is None:
+        for key in plugin_values:
+            raise unknown_key_error(where, key, sorted(setting_keys))
+        return StationConfig(plugin=None, settings=settings, options=None)
+    try:
+        component = registry.get(station.kind, plugin)
+    except UnknownComponentError as exc:
+        raise ConfigError(f"{where} plugin: {exc}") from None
+    plugin_keys = [f.name for f in dataclasses.fields(component.options_type)]
+    for key in plugin_values:
+        if key not in plugin_keys:
+            allowed = ["plugin", *sorted(setting_keys), *plugin_keys]
+            raise unknown_key_error(f"{where} ({plugin})", key, allowed)
+    options = build_options(component.options_type, plugin_values, f"{where} ({plugin})")
+    return StationConfig(plugin=plugin, settings=settings, options=options)

@@ -1,0 +1,34 @@
+"""Errors a user can cause: each says what was wrong and what is allowed."""
+
+from __future__ import annotations
+
+__all__ = [
+    "BrigadeError",
+    "ConfigError",
+    "DuplicateComponentError",
+    "ModelLoadError",
+    "UnknownComponentError",
+]
+
+
+class BrigadeError(Exception):
+    """Base class of every error Brigade raises on purpose."""
+
+
+class ConfigError(BrigadeError, ValueError):
+    """A config file, table, key or value is not allowed."""
+
+
+class DuplicateComponentError(BrigadeError):
+    """Two plugins registered the same name for the same kind."""
+
+
+class UnknownComponentError(BrigadeError, KeyError):
+    """A config names a component that no installed plugin registered."""
+
+    def __str__(self) -> str:  # KeyError would quote the whole message
+        return str(self.args[0]) if self.args else ""
+
+
+class ModelLoadError(BrigadeError, ValueError):
+    """A model directory is missing, incomplete, corrupt or of an unsupported architecture."""

@@ -1,0 +1,65 @@
+"""The engine's stations: one config table each, with the options every plugin of it shares."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from brigade.interfaces import option
+
+__all__ = ["STATIONS", "KVSettings", "ModelSettings", "NoSettings", "Station"]
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSettings:
+    path: str = option(
+        "default",
+        help="Hugging Face-format model directory, or 'default' for the built-in tiny Llama",
+    )
+    dtype: str = option("auto", help="weights and activations dtype", choices=DTYPES)
+    max_model_len: int = option(
+        0, help="longest sequence (prompt + output); 0 = the model's own limit", ge=0
+    )
+    seed: int = option(0, help="seed for anything random at engine level", ge=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class KVSettings:
+    page_size: int = option(16, help="tokens per KV page", ge=1, le=4096)
+    num_pages: int = option(0, help="KV pool size in pages; 0 = size from memory", ge=0)
+    memory_fraction: float = option(
+        0.5, help="share of the memory free after loading weights given to KV", gt=0, le=1
+    )
+    max_memory_gib: float = option(4.0, help="upper bound of the KV pool in GiB", gt=0)
+    cache_dtype: str = option("auto", help="KV cache dtype; auto = model dtype", choices=DTYPES)
+    enable_prefix_caching: bool = option(True, help="reuse KV of shared prompt prefixes")
+
+
+@dataclasses.dataclass(frozen=True)
+class NoSettings:
+    """A station whose table holds only its plugin's options."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Station:
+    name: str
+    kind: str | None
+    """The component kind its ``plugin`` names; None for a table without a plugin."""
+    default_plugin: str | None
+    settings_type: type
+
+
+STATIONS: dict[str, Station] = {
+    s.name: s
+    for s in (
+        Station("model", None, None, ModelSettings),
+        Station("kv", "kv", None, KVSettings),
+        Station("scheduler", "scheduler", None, NoSettings),
+        Station("executor", "executor", "torch", NoSettings),
+        Station("attention", "attention", "sdpa", NoSettings),
+        Station("sampler", "sampler", None, NoSettings),
+        Station("detokenizer", "detokenizer", None, NoSettings),
+    )
+}
+"""Every table a config may contain, in the order a step visits them."""
