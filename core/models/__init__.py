@@ -1,0 +1,1 @@
+"""Model utilities: local creation of deterministic HF-format test models."""
