@@ -68,7 +68,7 @@ class AttentionBackend(abc.ABC):
         """Page sizes this backend can read (``config check`` rejects others)."""
         return PageSizeRule()
 
-    @classmethod
+    @classmethod  # noqa: B027 - an optional hook whose default accepts every device
     def check_device(cls, device: str) -> None:
         """Raise ``RuntimeError`` with a clear reason if the backend cannot run on ``device``."""
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import pluggy
 
 if TYPE_CHECKING:
-    from brigade.interfaces.types import Request
+    from brigade.interfaces.request import Request
 
 __all__ = ["PROJECT_NAME", "BrigadeHookSpec", "ComponentRegistry", "hookimpl", "hookspec"]
 
@@ -38,9 +38,7 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 class ComponentRegistry(Protocol):
     """What ``brigade_register`` receives: the one place components are added."""
 
-    def add(
-        self, kind: str, name: str, factory: Any, *, options: type | None = None
-    ) -> None:
+    def add(self, kind: str, name: str, factory: Any, *, options: type | None = None) -> None:
         """Register ``factory`` (a class or callable) as component ``name`` of ``kind``.
 
         ``kind`` is one of ``brigade.interfaces.COMPONENT_KINDS``. ``options`` is a dataclass

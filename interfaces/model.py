@@ -59,9 +59,7 @@ class ModelArchitecture(abc.ABC):
         """Create the module with uninitialised weights on ``device`` in ``dtype``."""
 
     @abc.abstractmethod
-    def load_weights(
-        self, model: CausalLM, weights: Iterable[tuple[str, torch.Tensor]]
-    ) -> None:
+    def load_weights(self, model: CausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (HF names) into ``model``, fusing where the module fuses.
 
         Raise ``ValueError`` naming the tensor on an unexpected name, a shape mismatch or a

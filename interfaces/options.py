@@ -38,7 +38,12 @@ def option(
     what it means, since the message shows it as written.
     """
     metadata = {
-        "help": help, "ge": ge, "gt": gt, "le": le, "lt": lt, "choices": choices,
+        "help": help,
+        "ge": ge,
+        "gt": gt,
+        "le": le,
+        "lt": lt,
+        "choices": choices,
         "pattern": pattern,
     }
     return dataclasses.field(default=default, metadata=metadata)

@@ -63,9 +63,7 @@ class SamplingParams:
             "a number > 0",
         )
         _require(self.min_tokens >= 0, "min_tokens", self.min_tokens, "an integer >= 0")
-        _require(
-            self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens, "<= max_tokens"
-        )
+        _require(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens, "<= max_tokens")
         _require(
             self.logprobs is None or 0 <= self.logprobs <= 20,
             "logprobs",

@@ -1,0 +1,227 @@
+"""The eager PyTorch executor: one process, one device (CPU or a CUDA GPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Sequence
+from typing import ClassVar
+
+import torch
+
+from brigade.errors import ModelLoadError
+from brigade.interfaces import (
+    CausalLM,
+    Executor,
+    ExecutorParams,
+    KVCacheSpec,
+    ModelArchitecture,
+    ModelInput,
+    option,
+)
+from brigade.model_input import model_input_to
+from brigade.models.loader import DTYPES, iter_safetensors, read_hf_config, resolve_dtype
+
+__all__ = [
+    "DEVICE_PATTERN",
+    "TorchExecutor",
+    "TorchExecutorOptions",
+    "available_memory_bytes",
+    "resolve_device",
+]
+
+DEVICE_PATTERN = r"auto|cpu|cuda(:\d+)?"
+
+
+@dataclasses.dataclass(frozen=True)
+class TorchExecutorOptions:
+    """Options of the ``torch`` executor."""
+
+    device: str = option(
+        "auto",
+        help="'auto' (cuda if available, else cpu), 'cpu', 'cuda' or 'cuda:N'",
+        pattern=DEVICE_PATTERN,
+    )
+    num_threads: int = option(0, help="torch CPU threads; 0 = leave torch's default", ge=0)
+
+
+def resolve_device(name: str) -> torch.device:
+    """The torch device for option ``device``; ``RuntimeError`` if it is not usable here."""
+    if not re.fullmatch(DEVICE_PATTERN, name):
+        raise ValueError(f"device {name!r} is not allowed; allowed: auto, cpu, cuda, cuda:N")
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"device {name!r}: CUDA is not available; use 'cpu' or 'auto'")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise RuntimeError(
+                f"device {name!r}: only {torch.cuda.device_count()} CUDA device(s) visible"
+            )
+    return device
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Free memory on ``device`` now: CUDA's free bytes, or /proc/meminfo's MemAvailable."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # the file counts kB
+    except OSError:
+        pass
+    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+class TorchExecutor(Executor):
+    """Loads an HF-format model with brigade's own modules and runs it eagerly."""
+
+    supports_copy_pages: ClassVar[bool] = True
+
+    def __init__(self, params: ExecutorParams, options: TorchExecutorOptions) -> None:
+        self.params = params
+        self.device = resolve_device(options.device)
+        if options.num_threads:
+            torch.set_num_threads(options.num_threads)  # process-wide, as torch allows
+        self.attention = params.attention
+        self.attention.check_device(str(self.device))
+        hf_config = read_hf_config(params.model_path)
+        architecture = params.model_factory or _architecture_for(hf_config, params.model_path)
+        architecture.validate_config(hf_config)
+        self.dtype = resolve_dtype(params.dtype, hf_config)
+        self.kv_cache_dtype = (
+            self.dtype if params.kv_cache_dtype == "auto" else _named_dtype(params.kv_cache_dtype)
+        )
+        self.max_model_len = _max_model_len(params.max_model_len, hf_config)
+        self.model: CausalLM = architecture.build(
+            hf_config, self.attention, self.dtype, self.device
+        )
+        architecture.load_weights(
+            self.model, iter_safetensors(params.model_path, self.dtype, self.device)
+        )
+        if isinstance(self.model, torch.nn.Module):
+            self.model.eval()
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def _layer_shape(self, num_pages: int, index: int) -> tuple[int, ...]:
+        layer = self.model.attention_layers[index]
+        return self.attention.kv_cache_shape(
+            num_pages, self.params.page_size, layer.num_kv_heads, layer.head_dim
+        )
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """Bytes per page over all layers' K and V, and the memory free now."""
+        element_size = torch.empty((), dtype=self.kv_cache_dtype).element_size()
+        bytes_per_page = sum(
+            2 * element_size * _numel(self._layer_shape(1, index))
+            for index in range(len(self.model.attention_layers))
+        )
+        return KVCacheSpec(
+            num_layers=len(self.model.attention_layers),
+            page_size=self.params.page_size,
+            bytes_per_page=bytes_per_page,
+            available_bytes=available_memory_bytes(self.device),
+            max_model_len=self.max_model_len,
+            vocab_size=self.model.vocab_size,
+        )
+
+    def initialize_kv_cache(self, num_pages: int) -> None:
+        """Zeroed K and V per layer (zeros, so never-written slots hold no NaN)."""
+        if self.kv_caches:
+            raise RuntimeError("initialize_kv_cache was already called; it allocates once")
+        if num_pages < 1:
+            raise ValueError(f"num_pages must be at least 1, got {num_pages}")
+        for index in range(len(self.model.attention_layers)):
+            shape = self._layer_shape(num_pages, index)
+            self.kv_caches.append(
+                (
+                    torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
+                    torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
+                )
+            )
+
+    def execute(self, batch: ModelInput) -> torch.Tensor:
+        """Float32 logits [len(batch.logits_indices), vocab_size], on this executor's device."""
+        if not self.kv_caches:
+            raise RuntimeError("call initialize_kv_cache before execute")
+        if batch.page_size != self.params.page_size:
+            raise ValueError(
+                f"batch page_size {batch.page_size} differs from the KV pool's "
+                f"{self.params.page_size}"
+            )
+        batch = model_input_to(batch, self.device, non_blocking=True)
+        metadata = self.attention.build_metadata(batch)
+        with torch.inference_mode():
+            hidden = self.model.forward(
+                batch.input_ids, batch.positions, self.kv_caches, metadata
+            )  # [T, hidden_size]
+            return self.model.compute_logits(hidden[batch.logits_indices]).float()
+
+    def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Copy page ``src[i]`` onto ``dst[i]`` in every layer's K and V."""
+        if len(src) != len(dst):
+            raise ValueError(f"copy_pages: {len(src)} source pages but {len(dst)} destinations")
+        if not src:
+            return
+        source = torch.tensor(list(src), dtype=torch.int64, device=self.device)
+        target = torch.tensor(list(dst), dtype=torch.int64, device=self.device)
+        with torch.inference_mode():
+            for key_cache, value_cache in self.kv_caches:
+                key_cache.index_copy_(0, target, key_cache.index_select(0, source))
+                value_cache.index_copy_(0, target, value_cache.index_select(0, source))
+
+    def shutdown(self) -> None:
+        """Drop the weights and the KV pool."""
+        self.kv_caches = []
+        del self.model
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _architecture_for(hf_config: dict[str, object], model_path: str) -> ModelArchitecture:
+    from brigade.plugins.models.architectures import ARCHITECTURES
+
+    names = hf_config.get("architectures")
+    for name in names if isinstance(names, list) else []:
+        if name in ARCHITECTURES:
+            return ARCHITECTURES[name]()
+    raise ModelLoadError(
+        f"{model_path}: architecture {names} is not supported; "
+        f"supported: {', '.join(sorted(ARCHITECTURES))}"
+    )
+
+
+def _named_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype {name!r} is not supported; allowed: auto, {', '.join(DTYPES)}"
+        )
+    return DTYPES[name]
+
+
+def _max_model_len(requested: int, hf_config: dict[str, object]) -> int:
+    limit = hf_config.get("max_position_embeddings")
+    if requested == 0:
+        if not isinstance(limit, int) or limit < 1:
+            raise ValueError(
+                "max_model_len is 0 (the model's limit) but config.json has no "
+                "max_position_embeddings; set [model] max_model_len"
+            )
+        return limit
+    if isinstance(limit, int) and requested > limit:
+        raise ValueError(
+            f"max_model_len {requested} exceeds the model's max_position_embeddings {limit}"
+        )
+    return requested
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count

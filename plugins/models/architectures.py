@@ -1,0 +1,148 @@
+"""Model architectures: the shared decoder under each Hugging Face ``architectures`` name."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, ClassVar
+
+import torch
+
+from brigade.errors import ModelLoadError
+from brigade.interfaces import AttentionBackend, CausalLM, ModelArchitecture
+from brigade.plugins.models.config import Family, parse_decoder_config
+from brigade.plugins.models.decoder import DecoderForCausalLM
+
+__all__ = [
+    "ARCHITECTURES",
+    "DecoderArchitecture",
+    "LlamaArchitecture",
+    "MistralArchitecture",
+    "Qwen2Architecture",
+    "Qwen3Architecture",
+]
+
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+"""Checkpoint tensors some exporters write that are computed, not loaded."""
+
+
+class DecoderArchitecture(ModelArchitecture):
+    """The shared decoder; a subclass names its :class:`Family`."""
+
+    family: ClassVar[Family]
+
+    def validate_config(self, hf_config: Mapping[str, Any]) -> None:
+        """Raise ``ValueError`` naming the key if this family cannot run ``hf_config``."""
+        parse_decoder_config(hf_config, self.family)
+
+    def build(
+        self,
+        hf_config: Mapping[str, Any],
+        attention: AttentionBackend,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> CausalLM:
+        """The decoder with uninitialised weights on ``device`` (RoPE cache computed)."""
+        config = parse_decoder_config(hf_config, self.family)
+        if any(w is not None for w in config.sliding_windows) and not (
+            attention.supports_sliding_window
+        ):
+            raise ValueError(
+                f"sliding_window: this {self.family.architecture} uses sliding-window "
+                f"attention, which attention backend {attention.name!r} does not support"
+            )
+        with torch.device("meta"):
+            model = DecoderForCausalLM(config, attention, dtype)
+        model = model.to_empty(device=device)
+        model.initialize_rope()
+        return model
+
+    def load_weights(self, model: CausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into ``model``, stacking q/k/v and gate/up into fused rows."""
+        if not isinstance(model, DecoderForCausalLM):
+            raise TypeError(f"expected a model built by {type(self).__name__}, got {model!r}")
+        targets = model.checkpoint_targets()
+        tied = model.lm_head is None
+        loaded: set[str] = set()
+        with torch.no_grad():
+            for name, tensor in weights:
+                if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+                    continue
+                target = targets.get(name)
+                if target is None:
+                    raise ModelLoadError(
+                        f"checkpoint tensor {name!r} has no place in a {self.family.architecture} "
+                        "with this config.json (check the architectures name and config keys "
+                        "such as attention_bias, mlp_bias, tie_word_embeddings)"
+                    )
+                param, start, rows = target
+                destination = param.narrow(0, start, rows)
+                if tuple(tensor.shape) != tuple(destination.shape):
+                    raise ModelLoadError(
+                        f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, but "
+                        f"config.json implies {tuple(destination.shape)}"
+                    )
+                destination.copy_(tensor)
+                loaded.add(name)
+        missing = sorted(set(targets) - loaded)
+        if missing:
+            shown = ", ".join(missing[:5]) + (
+                f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            )
+            raise ModelLoadError(f"checkpoint is missing {len(missing)} tensor(s): {shown}")
+
+
+class LlamaArchitecture(DecoderArchitecture):
+    family = Family(
+        "LlamaForCausalLM",
+        qkv_bias=None,
+        o_bias=None,
+        reads_mlp_bias=True,
+        qk_norm=False,
+        sliding="none",
+        default_max_positions=2048,
+    )
+
+
+class MistralArchitecture(DecoderArchitecture):
+    family = Family(
+        "MistralForCausalLM",
+        qkv_bias=False,
+        o_bias=False,
+        reads_mlp_bias=False,
+        qk_norm=False,
+        sliding="all_layers",
+        default_max_positions=131072,
+        default_sliding_window=4096,
+    )
+
+
+class Qwen2Architecture(DecoderArchitecture):
+    family = Family(
+        "Qwen2ForCausalLM",
+        qkv_bias=True,
+        o_bias=False,
+        reads_mlp_bias=False,
+        qk_norm=False,
+        sliding="qwen",
+        default_max_positions=32768,
+    )
+
+
+class Qwen3Architecture(DecoderArchitecture):
+    family = Family(
+        "Qwen3ForCausalLM",
+        qkv_bias=None,
+        o_bias=None,
+        reads_mlp_bias=False,
+        qk_norm=True,
+        sliding="qwen",
+        default_max_positions=32768,
+        default_head_dim=128,
+    )
+
+
+ARCHITECTURES: dict[str, type[ModelArchitecture]] = {
+    arch.family.architecture: arch
+    for arch in (LlamaArchitecture, MistralArchitecture, Qwen2Architecture, Qwen3Architecture)
+}
+"""HF ``architectures`` name -> zero-argument factory of its :class:`ModelArchitecture`."""

@@ -1,0 +1,225 @@
+"""The decoder shared by Llama, Mistral, Qwen2 and Qwen3, reading and writing the paged KV.
+
+Projections are fused: one Linear makes q, k and v, one makes the MLP's gate and up halves.
+Module names otherwise mirror transformers' so checkpoint names map one to one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from brigade.interfaces import AttentionBackend, AttentionLayer
+from brigade.plugins.models.config import DecoderConfig
+from brigade.plugins.models.rope import apply_rope, rope_cos_sin
+
+__all__ = ["DecoderForCausalLM", "RMSNorm"]
+
+_FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+"""Fused module -> the checkpoint modules stacked (in order) along its output rows."""
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm over the last dimension, computed in float32 like transformers."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., size] -> same shape and dtype."""
+        x32 = x.float()
+        variance = x32.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x32 * torch.rsqrt(variance + self.eps)).to(x.dtype)
+
+
+class DecoderAttention(nn.Module):
+    def __init__(
+        self,
+        config: DecoderConfig,
+        layer: AttentionLayer,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.layer = layer
+        self.backend = backend
+        self.split_sizes = (config.q_size, config.kv_size, config.kv_size)
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, sum(self.split_sizes), bias=config.qkv_bias, dtype=dtype
+        )
+        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.o_bias, dtype=dtype)
+        self.q_norm = (
+            RMSNorm(layer.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
+        )
+        self.k_norm = (
+            RMSNorm(layer.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
+        )
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        metadata: Any,
+    ) -> torch.Tensor:
+        """hidden: [T, hidden_size] -> [T, hidden_size]."""
+        num_tokens = hidden.shape[0]
+        layer = self.layer
+        q, k, v = self.qkv_proj(hidden).split(self.split_sizes, dim=-1)
+        q = q.reshape(num_tokens, layer.num_heads, layer.head_dim)  # [T, heads, head_dim]
+        k = k.reshape(num_tokens, layer.num_kv_heads, layer.head_dim)  # [T, kv_heads, head_dim]
+        v = v.reshape(num_tokens, layer.num_kv_heads, layer.head_dim)  # [T, kv_heads, head_dim]
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = self.backend.forward(layer, q, k, v, kv_cache, metadata)  # [T, heads, head_dim]
+        return self.o_proj(out.reshape(num_tokens, -1))  # [T, heads * head_dim] in
+
+
+class DecoderMLP(nn.Module):
+    def __init__(self, config: DecoderConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(
+            config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias, dtype=dtype
+        )
+        self.down_proj = nn.Linear(
+            config.intermediate_size, config.hidden_size, bias=config.mlp_bias, dtype=dtype
+        )
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [T, hidden_size] -> [T, hidden_size]."""
+        gate, up = self.gate_up_proj(hidden).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self,
+        config: DecoderConfig,
+        layer: AttentionLayer,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = DecoderAttention(config, layer, backend, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = DecoderMLP(config, dtype)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        metadata: Any,
+    ) -> torch.Tensor:
+        """hidden: [T, hidden_size] -> [T, hidden_size] (pre-norm residual block)."""
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, metadata)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DecoderForCausalLM(nn.Module):
+    """A ``CausalLM``: token ids and positions in, hidden states out; logits on request.
+
+    Build it on the meta device and move it with ``to_empty``; then call
+    :meth:`initialize_rope` (the cos/sin cache is computed, not loaded).
+    """
+
+    def __init__(
+        self, config: DecoderConfig, backend: AttentionBackend, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.vocab_size = config.vocab_size
+        self.attention_layers: Sequence[AttentionLayer] = tuple(
+            AttentionLayer(
+                layer_index=index,
+                num_heads=config.num_heads,
+                num_kv_heads=config.num_kv_heads,
+                head_dim=config.head_dim,
+                scale=config.head_dim**-0.5,
+                sliding_window=window,
+            )
+            for index, window in enumerate(config.sliding_windows)
+        )
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, layer, backend, dtype) for layer in self.attention_layers
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        )
+        half = config.head_dim // 2
+        self.rope_cos: torch.Tensor
+        self.rope_sin: torch.Tensor
+        self.register_buffer("rope_cos", torch.empty(config.rope.max_positions, half), False)
+        self.register_buffer("rope_sin", torch.empty(config.rope.max_positions, half), False)
+
+    def initialize_rope(self) -> None:
+        """Fill the float32 cos/sin caches [max_positions, head_dim // 2] on the model's device."""
+        cos, sin = rope_cos_sin(self.config.rope, self.rope_cos.device)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        attn_metadata: Any,
+    ) -> torch.Tensor:
+        """input_ids, positions: [T] -> final-normed hidden states [T, hidden_size]."""
+        hidden = self.embed_tokens(input_ids)  # [T, hidden_size]
+        # transformers rounds cos/sin to the activation dtype before rotating.
+        cos = self.rope_cos[positions].to(hidden.dtype)  # [T, head_dim // 2]
+        sin = self.rope_sin[positions].to(hidden.dtype)  # [T, head_dim // 2]
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, cos, sin, kv_cache, attn_metadata)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[rows, hidden_size] -> float32 logits [rows, vocab_size]."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden_states, weight).float()
+
+    def checkpoint_targets(self) -> dict[str, tuple[torch.Tensor, int, int]]:
+        """HF checkpoint name -> (parameter, first row, rows) that tensor fills.
+
+        Fused parameters appear once per checkpoint tensor stacked into them.
+        """
+        targets: dict[str, tuple[torch.Tensor, int, int]] = {}
+        for name, param in self.named_parameters():
+            module_path, _, kind = name.rpartition(".")
+            hf_prefix = "" if name.startswith("lm_head.") else "model."
+            fused = next((f for f in _FUSED if module_path.endswith(f)), None)
+            if fused is None:
+                targets[hf_prefix + name] = (param, 0, param.shape[0])
+                continue
+            base = module_path[: -len(fused)]
+            sizes = self._fused_sizes(fused)
+            start = 0
+            for part, rows in zip(_FUSED[fused], sizes, strict=True):
+                targets[f"{hf_prefix}{base}{part}.{kind}"] = (param, start, rows)
+                start += rows
+        return targets
+
+    def _fused_sizes(self, fused: str) -> tuple[int, ...]:
+        config = self.config
+        if fused == "mlp.gate_up_proj":
+            return (config.intermediate_size, config.intermediate_size)
+        return (config.q_size, config.kv_size, config.kv_size)
