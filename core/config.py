@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from brigade.errors import ConfigError, UnknownComponentError
+from brigade.interfaces import PageSizeRule
 from brigade.options import build_options, unknown_key_error
 from brigade.registry import Registry
 from brigade.stations import STATIONS, Station
@@ -45,6 +46,13 @@ class EngineConfig:
 
     def __getitem__(self, station: str) -> StationConfig:
         return self.stations[station]
+
+    def plugin(self, station: str) -> str:
+        """The plugin chosen for ``station``; ``ConfigError`` if the station has none."""
+        name = self.stations[station].plugin
+        if name is None:
+            raise ConfigError(f"{self.source} [{station}]: choose a component with plugin = ...")
+        return name
 
     @property
     def components(self) -> dict[str, str]:
@@ -85,8 +93,9 @@ def check_config(config: EngineConfig, registry: Registry) -> list[str]:
     notes: list[str] = []
     attention = config["attention"]
     if attention.plugin is not None:
-        backend = registry.get("attention", attention.plugin).factory
-        rule = backend.supported_page_sizes(attention.options)
+        factory = registry.get("attention", attention.plugin).factory
+        rule_of = getattr(factory, "supported_page_sizes", None)
+        rule = rule_of(attention.options) if rule_of is not None else PageSizeRule()
         page_size = config["kv"].settings.page_size
         if not rule.allows(page_size):
             raise ConfigError(
@@ -186,7 +195,7 @@ def _build_station(
             raise unknown_key_error(where, key, sorted(setting_keys))
         return StationConfig(plugin=None, settings=settings, options=None)
     try:
-        component = registry.get(station.kind, plugin)
+        component = registry.get(station.kind or "", plugin)
     except UnknownComponentError as exc:
         raise ConfigError(f"{where} plugin: {exc}") from None
     plugin_keys = [f.name for f in dataclasses.fields(component.options_type)]

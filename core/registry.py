@@ -41,9 +41,7 @@ class Registry:
         self.hook = hook
         """The plugin manager's hook relay, for event hooks (None when built by hand)."""
 
-    def add(
-        self, kind: str, name: str, factory: Any, *, options: type | None = None
-    ) -> None:
+    def add(self, kind: str, name: str, factory: Any, *, options: type | None = None) -> None:
         """Register ``factory`` as ``name`` of ``kind``; see ``ComponentRegistry.add``."""
         if kind not in self._components:
             raise ValueError(
@@ -84,7 +82,7 @@ class Registry:
         for kind in self._components:
             yield from (self._components[kind][n] for n in sorted(self._components[kind]))
 
-    def _register_from(self, source: str, register: Callable[..., None]) -> None:
+    def _register_from(self, source: str, register: Callable[..., object]) -> None:
         previous, self._source = self._source, source
         try:
             register(registry=self)

@@ -94,7 +94,7 @@ def test_overrides_precedence_file_env_flag(tmp_path: Path, registry: Registry) 
     assert config["kv"].settings.num_pages == 40
     config = load_config(None, registry, environ={}, overrides=["model.path=/models/x"])
     assert config["model"].settings.path == "/models/x"
-    with pytest.raises(ConfigError, match="station.key=value"):
+    with pytest.raises(ConfigError, match=r"station\.key=value"):
         load_config(None, registry, overrides=["page_size=3"])
     with pytest.raises(ConfigError, match="unknown station 'kvv'"):
         load_config(None, registry, environ={"BRIGADE_KVV__PAGE_SIZE": "3"})
@@ -123,11 +123,17 @@ def test_check_rejects_page_size_the_backend_cannot_read(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     install_fake_plugin(
-        monkeypatch, "brigade-wide", lambda r: r.add("attention", "wide", WidePagesBackend, options=WideOptions)
+        monkeypatch,
+        "brigade-wide",
+        lambda r: r.add("attention", "wide", WidePagesBackend, options=WideOptions),
     )
     registry = load_registry()
     path = write(tmp_path, '[attention]\nplugin = "wide"\n[kv]\npage_size = 16\n')
-    with pytest.raises(ConfigError, match="page_size = 16 cannot be read by attention backend 'wide'; it needs a multiple of 256"):
+    with pytest.raises(
+        ConfigError,
+        match=r"page_size = 16 cannot be read by attention backend 'wide'; "
+        r"it needs a multiple of 256",
+    ):
         check_config(load_config(path, registry), registry)
     path = write(tmp_path, '[attention]\nplugin = "wide"\n[kv]\npage_size = 512\n')
     check_config(load_config(path, registry), registry)
@@ -140,7 +146,9 @@ def test_check_reads_the_model_directory_without_loading_weights(
     model_dir.mkdir()
     (model_dir / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
     path = write(tmp_path, f'[model]\npath = "{model_dir}"\n')
-    with pytest.raises(ConfigError, match="GPT2LMHeadModel model; supported architectures: .*LlamaForCausalLM"):
+    with pytest.raises(
+        ConfigError, match=r"GPT2LMHeadModel model; supported architectures: .*LlamaForCausalLM"
+    ):
         check_config(load_config(path, registry), registry)
     (model_dir / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
     notes = check_config(load_config(path, registry), registry)
@@ -159,7 +167,9 @@ def test_config_check_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert "Traceback" not in err
 
 
-def test_config_show_round_trips(tmp_path: Path, capsys: pytest.CaptureFixture[str], registry: Registry) -> None:
+def test_config_show_round_trips(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], registry: Registry
+) -> None:
     assert main(["config", "show", "--set", "kv.page_size=64"]) == 0
     shown = write(tmp_path, capsys.readouterr().out)
     assert load_config(shown, registry, environ={})["kv"].settings.page_size == 64

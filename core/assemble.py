@@ -1,0 +1,97 @@
+"""Turns a validated config into live components (the model side, for now)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from brigade.config import EngineConfig
+from brigade.errors import ConfigError, ModelLoadError
+from brigade.interfaces import AttentionBackend, Executor, ExecutorParams
+from brigade.registry import Registry
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+__all__ = ["ModelPath", "build_executor", "kv_pool_pages", "resolve_model_path"]
+
+GIB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ModelPath:
+    """An executor with its KV pool allocated, and where its model came from."""
+
+    executor: Executor
+    model_dir: Path
+    num_pages: int
+    page_size: int
+
+
+def resolve_model_path(config: EngineConfig) -> Path:
+    """``[model] path``, building the built-in default model on first use."""
+    from pathlib import Path
+
+    from brigade.models.create import default_model_dir
+
+    path = config["model"].settings.path
+    return default_model_dir() if path == "default" else Path(path).expanduser()
+
+
+def build_executor(config: EngineConfig, registry: Registry) -> ModelPath:
+    """Create the attention backend and executor, load weights, allocate the KV pool."""
+    from brigade.models.loader import read_hf_config
+
+    model_dir = resolve_model_path(config)
+    hf_config = read_hf_config(model_dir)
+    architecture = _model_architecture(hf_config.get("architectures") or [], registry, model_dir)
+    attention_station = config["attention"]
+    attention: AttentionBackend = registry.get("attention", config.plugin("attention")).factory(
+        attention_station.options
+    )
+    model = config["model"].settings
+    kv = config["kv"].settings
+    params = ExecutorParams(
+        model_path=str(model_dir),
+        dtype=model.dtype,
+        attention=attention,
+        page_size=kv.page_size,
+        kv_cache_dtype=kv.cache_dtype,
+        max_model_len=model.max_model_len,
+        seed=model.seed,
+        model_factory=architecture,
+    )
+    executor_station = config["executor"]
+    executor: Executor = registry.get("executor", config.plugin("executor")).factory(
+        params, executor_station.options
+    )
+    num_pages = kv_pool_pages(executor, config)
+    executor.initialize_kv_cache(num_pages)
+    return ModelPath(executor, model_dir, num_pages, kv.page_size)
+
+
+def kv_pool_pages(executor: Executor, config: EngineConfig) -> int:
+    """Pages in the KV pool: ``[kv] num_pages``, or what the memory settings allow."""
+    kv = config["kv"].settings
+    spec = executor.kv_cache_spec()
+    if kv.num_pages:
+        num_pages = kv.num_pages
+    else:
+        budget = min(spec.available_bytes * kv.memory_fraction, kv.max_memory_gib * GIB)
+        num_pages = int(budget // spec.bytes_per_page)
+    if num_pages < 1:
+        raise ConfigError(
+            f"{config.source} [kv]: no room for a single KV page "
+            f"({spec.bytes_per_page} bytes each); raise max_memory_gib or set num_pages"
+        )
+    return num_pages
+
+
+def _model_architecture(names: list[str], registry: Registry, model_dir: Path) -> object:
+    for name in names:
+        if name in registry.names("model"):
+            return registry.get("model", name).factory()
+    raise ModelLoadError(
+        f"{model_dir}: architecture {', '.join(names) or '(none given)'} is not supported; "
+        f"supported: {', '.join(registry.names('model'))}"
+    )

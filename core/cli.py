@@ -1,0 +1,210 @@
+"""The ``brigade`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from brigade.errors import BrigadeError
+
+__all__ = ["main"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``brigade`` console script; returns the exit status."""
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "handler"):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.handler(args) or 0)
+    except BrigadeError as exc:
+        print(f"brigade: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="brigade", description="An LLM serving engine whose every part is a plugin."
+    )
+    commands = parser.add_subparsers(title="commands")
+
+    plugins = commands.add_parser("plugins", help="list every registered component")
+    plugins.add_argument("--json", action="store_true", help="machine-readable output")
+    plugins.set_defaults(handler=_cmd_plugins)
+
+    config = commands.add_parser("config", help="validate or show a config file")
+    config_commands = config.add_subparsers(title="config commands", required=True)
+    check = config_commands.add_parser("check", help="validate a config without loading a model")
+    check.add_argument("file", nargs="?", help="TOML config (omit for the defaults)")
+    _add_override_flag(check)
+    check.set_defaults(handler=_cmd_config_check)
+    show = config_commands.add_parser("show", help="print the effective config as TOML")
+    show.add_argument("file", nargs="?", help="TOML config (omit for the defaults)")
+    _add_override_flag(show)
+    show.set_defaults(handler=_cmd_config_show)
+
+    model = commands.add_parser("model", help="create local models")
+    model_commands = model.add_subparsers(title="model commands", required=True)
+    create = model_commands.add_parser(
+        "create", help="write a random-weight HF-format model with a trained tokenizer"
+    )
+    create.add_argument("--arch", default="llama", help="llama, qwen2, qwen3 or mistral")
+    create.add_argument("--size", default="tiny", help="tiny or small")
+    create.add_argument("--out", required=True, help="directory to write")
+    create.add_argument("--seed", type=int, default=0)
+    create.add_argument("--dtype", default="float32", help="float32 or bfloat16 weights")
+    create.add_argument("--tie-word-embeddings", action="store_true")
+    create.set_defaults(handler=_cmd_model_create)
+
+    generate = commands.add_parser("generate", help="greedy generation offline")
+    generate.add_argument("--config", help="TOML config (omit for the defaults)")
+    _add_override_flag(generate)
+    generate.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    generate.add_argument("--prompts-file", help="a file with one prompt per line")
+    generate.add_argument("--max-tokens", type=int, default=32)
+    generate.set_defaults(handler=_cmd_generate)
+    return parser
+
+
+def _add_override_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="STATION.KEY=VALUE",
+        help="override one config key (repeatable; value read as TOML, else as a string)",
+    )
+
+
+def _cmd_plugins(args: argparse.Namespace) -> int:
+    from brigade.options import option_defaults
+    from brigade.registry import default_registry
+
+    rows: list[dict[str, Any]] = [
+        {
+            "kind": c.kind,
+            "name": c.name,
+            "distribution": c.distribution,
+            "options": option_defaults(c.options_type),
+        }
+        for c in default_registry()
+    ]
+    if args.json:
+        print(json.dumps(rows, indent=2, default=str))
+        return 0
+    for row in rows:
+        options = ", ".join(f"{k}={v!r}" for k, v in row["options"].items()) or "-"
+        print(f"{row['kind']:<12} {row['name']:<22} {row['distribution']:<22} {options}")
+    return 0
+
+
+def _load(file: str | None, overrides: Sequence[str]) -> tuple[Any, Any]:
+    from brigade.config import load_config
+    from brigade.registry import default_registry
+
+    registry = default_registry()
+    return load_config(file, registry, overrides=overrides), registry
+
+
+def _cmd_config_check(args: argparse.Namespace) -> int:
+    from brigade.config import check_config
+
+    config, registry = _load(args.file, args.set)
+    notes = check_config(config, registry)
+    print(f"{config.source}: OK")
+    for station, plugin in config.components.items():
+        print(f"  {station}: {plugin}")
+    for note in notes:
+        print(f"  {note}")
+    return 0
+
+
+def _cmd_config_show(args: argparse.Namespace) -> int:
+    config, _ = _load(args.file, args.set)
+    for name, station in config.stations.items():
+        print(f"[{name}]")
+        if station.plugin is not None:
+            print(f"plugin = {json.dumps(station.plugin)}")
+        for values in (station.settings, station.options):
+            if values is None:
+                continue
+            for key, value in dataclasses.asdict(values).items():
+                print(f"{key} = {_toml_value(value)}")
+        print()
+    return 0
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, tuple | list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return json.dumps(value)
+
+
+def _cmd_model_create(args: argparse.Namespace) -> int:
+    from brigade.models.create import create_model
+
+    try:
+        out = create_model(
+            args.out,
+            args.arch,
+            args.size,
+            seed=args.seed,
+            dtype=args.dtype,
+            tie_word_embeddings=args.tie_word_embeddings,
+        )
+    except ValueError as exc:
+        raise BrigadeError(str(exc)) from exc
+    print(f"wrote {args.arch} ({args.size}) to {out}")
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    from brigade.assemble import build_executor
+    from brigade.models.loader import read_hf_config
+    from brigade.testing.reference import greedy_generate
+
+    prompts = list(args.prompt)
+    if args.prompts_file:
+        lines = Path(args.prompts_file).read_text(encoding="utf-8").splitlines()
+        prompts += [line for line in lines if line.strip()]
+    if not prompts:
+        raise BrigadeError("give at least one --prompt or a --prompts-file")
+    if args.max_tokens < 1:
+        raise BrigadeError("--max-tokens must be >= 1")
+    config, registry = _load(args.config, args.set)
+    started = time.perf_counter()
+    model = build_executor(config, registry)
+    loaded = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(model.model_dir)
+    eos = read_hf_config(model.model_dir).get("eos_token_id")
+    eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    token_ids = [tokenizer.encode(p, add_special_tokens=False) or [0] for p in prompts]
+    outputs = greedy_generate(
+        model.executor,
+        token_ids,
+        args.max_tokens,
+        page_size=model.page_size,
+        eos_token_ids=eos_ids,
+    )
+    done = time.perf_counter()
+    for prompt, output in zip(prompts, outputs, strict=True):
+        print(f"{prompt!r} -> {tokenizer.decode(output, skip_special_tokens=True)!r}")
+    generated = sum(len(o) for o in outputs)
+    print(
+        f"[{model.model_dir.name}: loaded in {loaded - started:.1f}s, {generated} tokens in "
+        f"{done - loaded:.2f}s, KV pool {model.num_pages} pages x {model.page_size}]",
+        file=sys.stderr,
+    )
+    return 0
