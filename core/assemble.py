@@ -26,6 +26,7 @@ class ModelPath:
     model_dir: Path
     num_pages: int
     page_size: int
+    max_model_len: int
 
 
 def resolve_model_path(config: EngineConfig) -> Path:
@@ -67,7 +68,8 @@ def build_executor(config: EngineConfig, registry: Registry) -> ModelPath:
     )
     num_pages = kv_pool_pages(executor, config)
     executor.initialize_kv_cache(num_pages)
-    return ModelPath(executor, model_dir, num_pages, kv.page_size)
+    max_model_len = executor.kv_cache_spec().max_model_len
+    return ModelPath(executor, model_dir, num_pages, kv.page_size, max_model_len)
 
 
 def kv_pool_pages(executor: Executor, config: EngineConfig) -> int:

@@ -191,6 +191,15 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     eos = read_hf_config(model.model_dir).get("eos_token_id")
     eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     token_ids = [tokenizer.encode(p, add_special_tokens=False) or [0] for p in prompts]
+    longest = max(len(t) for t in token_ids) + args.max_tokens
+    if longest > model.max_model_len:
+        raise BrigadeError(
+            f"a prompt plus --max-tokens needs {longest} tokens; max_model_len is "
+            f"{model.max_model_len}"
+        )
+    pages = sum(-(-(len(t) + args.max_tokens) // model.page_size) for t in token_ids)
+    if pages > model.num_pages:
+        raise BrigadeError(f"these prompts need {pages} KV pages; the pool has {model.num_pages}")
     outputs = greedy_generate(
         model.executor,
         token_ids,

@@ -71,12 +71,18 @@ def _check_value(value: Any, annotation: Any, field: dataclasses.Field[Any], whe
     pattern = meta.get("pattern")
     if pattern and isinstance(value, str) and not re.fullmatch(pattern, value):
         raise ConfigError(f"{where} = {value!r} is not allowed; it must match {pattern}")
-    bounds = (("ge", ">=", float.__ge__), ("gt", ">", float.__gt__),
-              ("le", "<=", float.__le__), ("lt", "<", float.__lt__))
+    bounds = (
+        ("ge", ">=", float.__ge__),
+        ("gt", ">", float.__gt__),
+        ("le", "<=", float.__le__),
+        ("lt", "<", float.__lt__),
+    )
     for key, symbol, compare in bounds:
         limit = meta.get(key)
-        if limit is not None and isinstance(value, int | float) and not compare(
-            float(value), float(limit)
+        if (
+            limit is not None
+            and isinstance(value, int | float)
+            and not compare(float(value), float(limit))
         ):
             raise ConfigError(f"{where} = {value!r} is out of range; must be {symbol} {limit}")
     return value

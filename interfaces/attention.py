@@ -53,7 +53,9 @@ class AttentionBackend(abc.ABC):
     The KV pool is, per layer, a K and a V tensor shaped by :meth:`kv_cache_shape` (by
     default ``[num_pages, page_size, num_kv_heads, head_dim]``). The executor allocates them;
     the backend writes the step's new K/V into them (at ``slot_mapping``) and reads a request's
-    context through its block table. A backend never allocates or frees pages.
+    context through its block table. A backend never allocates or frees pages. Slots no
+    request has written hold arbitrary bits (NaN included): a backend may read them only if
+    they cannot reach the result (masked loads, or pointing masked keys at written slots).
 
     Lifecycle per step: the executor calls :meth:`build_metadata` once, then
     :meth:`forward` once per layer with the same metadata object.

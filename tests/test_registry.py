@@ -45,7 +45,9 @@ def test_third_party_entry_point_is_discovered(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_duplicate_name_fails_naming_both_distributions(monkeypatch: pytest.MonkeyPatch) -> None:
-    install_fake_plugin(monkeypatch, "brigade-evil-sdpa", lambda r: r.add("attention", "sdpa", ShortestFirst))
+    install_fake_plugin(
+        monkeypatch, "brigade-evil-sdpa", lambda r: r.add("attention", "sdpa", ShortestFirst)
+    )
     with pytest.raises(DuplicateComponentError) as excinfo:
         load_registry()
     message = str(excinfo.value)

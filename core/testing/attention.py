@@ -39,7 +39,8 @@ class AttentionCase:
     """[T, num_kv_heads, head_dim] values of the new tokens."""
     kv_cache: tuple[torch.Tensor, torch.Tensor]
     """K and V pools [num_pages, page_size, num_kv_heads, head_dim] holding the cached
-    context of every row; every slot no row owns holds large random values."""
+    context of every row; every slot no row owns holds NaN, which a backend must never let
+    reach its output."""
     dense_keys: tuple[torch.Tensor, ...]
     """Per row: [seq_len, num_kv_heads, head_dim] keys of the whole context, new ones last."""
     dense_values: tuple[torch.Tensor, ...]
@@ -86,7 +87,8 @@ def random_attention_case(
         return (torch.randn(*shape, generator=generator) * scale).to(dtype)
 
     pool_shape = (num_pages, page_size, num_kv_heads, head_dim)
-    key_pool, value_pool = randn(*pool_shape, scale=100.0), randn(*pool_shape, scale=100.0)
+    key_pool = torch.full(pool_shape, float("nan"), dtype=dtype)
+    value_pool = torch.full(pool_shape, float("nan"), dtype=dtype)
     dense_keys = [randn(s, num_kv_heads, head_dim) for s in seq_lens]
     dense_values = [randn(s, num_kv_heads, head_dim) for s in seq_lens]
     for row, (table, computed) in enumerate(zip(tables, num_computed, strict=True)):

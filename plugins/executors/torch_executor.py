@@ -131,7 +131,8 @@ class TorchExecutor(Executor):
         )
 
     def initialize_kv_cache(self, num_pages: int) -> None:
-        """Zeroed K and V per layer (zeros, so never-written slots hold no NaN)."""
+        """K and V per layer, uninitialised: the attention contract forbids reading unwritten
+        slots into a result, and on CPU untouched pages then cost no memory until used."""
         if self.kv_caches:
             raise RuntimeError("initialize_kv_cache was already called; it allocates once")
         if num_pages < 1:
@@ -140,8 +141,8 @@ class TorchExecutor(Executor):
             shape = self._layer_shape(num_pages, index)
             self.kv_caches.append(
                 (
-                    torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
-                    torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
+                    torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device),
+                    torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device),
                 )
             )
 

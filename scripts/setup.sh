@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Creates .venv (if missing) and installs Brigade with its test tools. Safe to re-run; re-run
+# it after adding a module (the editable install is "strict" so that mypy can follow it).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    "$python" -m venv .venv
+fi
+pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
+# Pinned first: an unpinned torch would pull a multi-GB CUDA build.
+"${pip[@]}" torch==2.13.0
+"${pip[@]}" -e '.[dev]' --config-settings editable_mode=strict
