@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import zipfile
@@ -50,3 +51,35 @@ def test_wheel_contains_every_module_and_the_entry_point(tmp_path: Path) -> None
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
     assert "[brigade]\nbuiltins = brigade.plugins.builtins" in text
     assert "brigade = brigade.cli:main" in text
+
+    # Installed on its own, the wheel's copy is what runs, and it finds its built-ins.
+    target = tmp_path / "site"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--target",
+            str(target),
+            str(wheel),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    code = (
+        "import brigade, sys; from brigade.cli import main; "
+        "print(brigade.__file__, file=sys.stderr); sys.exit(main(['plugins', '--json']))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(target)},
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.startswith(str(target)), result.stderr
+    assert '"name": "sdpa"' in result.stdout
