@@ -10,8 +10,8 @@ kind               contract                             factory is called as
 ``kv``             :class:`KVManager`                   ``factory(pool_params, options)``
 ``executor``       :class:`Executor`                    ``factory(executor_params, options)``
 ``attention``      :class:`AttentionBackend`            ``factory(options)``
-``sampler``        :class:`Sampler`                     ``factory(options)``
-``logits_processor`` :class:`LogitsProcessor`           ``factory(options)``
+``sampler``        :class:`Sampler`                     ``factory(sampler_params, options)``
+``logits_processor`` :class:`LogitsProcessor`           ``factory(sampler_params, options)``
 ``detokenizer``    :class:`Detokenizer`                 ``factory(tokenizer, options)``
 ``model``          :class:`ModelArchitecture`           ``factory()``; named by HF architecture
 =================  ===================================  ==========================================
@@ -26,7 +26,13 @@ from brigade.interfaces.kv import Allocation, KVManager, KVPoolParams, KVStats
 from brigade.interfaces.model import CausalLM, ModelArchitecture
 from brigade.interfaces.options import NoOptions, option
 from brigade.interfaces.request import Request, RequestStatus, ScheduledRequest, SchedulerOutput
-from brigade.interfaces.sampler import LogitsProcessor, SampleOutput, Sampler
+from brigade.interfaces.sampler import (
+    LogitsProcessor,
+    SampleOutput,
+    Sampler,
+    SamplerParams,
+    SamplingBatch,
+)
 from brigade.interfaces.sampling import SamplingParams
 from brigade.interfaces.scheduler import Scheduler, SchedulerParams, SchedulerStats
 
@@ -66,6 +72,8 @@ __all__ = [
     "RequestStatus",
     "SampleOutput",
     "Sampler",
+    "SamplerParams",
+    "SamplingBatch",
     "SamplingParams",
     "ScheduledRequest",
     "Scheduler",

@@ -43,10 +43,13 @@ class KVStats:
 class KVManager(abc.ABC):
     """Pages of ``page_size`` tokens, block tables per request, and prefix reuse.
 
+    Constructed as ``factory(pool: KVPoolParams, options)``; page ids are ``0 ..
+    pool.num_pages - 1``.
+
     Ownership: during a step the scheduler is the only caller of :meth:`allocate` (admission,
-    growth, preemption). Core calls :meth:`commit` after a step's tokens are accepted and
-    :meth:`free` when a request finishes, is aborted or is preempted by recompute. A page is
-    never reused while a request that holds it runs.
+    growth, preemption) and frees the requests it preempts. Core calls :meth:`commit` after a
+    step's tokens are accepted and :meth:`free` when a request finishes or is aborted. A page
+    is never reused while a request that holds it runs.
     """
 
     supports_partial_page_reuse = False
@@ -54,21 +57,31 @@ class KVManager(abc.ABC):
 
     @abc.abstractmethod
     def allocate(self, request: Request, num_new_tokens: int) -> Allocation | None:
-        """Make room for ``num_new_tokens`` more tokens of ``request``.
+        """Make room for ``num_new_tokens`` more tokens of ``request``; all or nothing.
 
-        On a request's first call this matches the cached prefix (a hit is capped at
-        ``num_prompt_tokens - 1`` so one token is always computed), locks it and sets
-        ``request.num_cached_tokens``. All of it happens in one call or not at all: None means
-        no room and nothing changed.
+        On a request's first call (it holds no pages: new, or preempted by recompute) the
+        manager first matches ``request.all_token_ids`` against the prefix cache, locks the hit
+        and sets ``request.num_cached_tokens``; a hit is capped at ``request.num_tokens - 1``
+        so at least one token is computed. It then reserves pages so that the first
+        ``min(num_computed_tokens + num_cached + num_new_tokens, request.num_tokens)`` tokens
+        fit. The caller (the scheduler) adds ``Allocation.num_cached_tokens`` to
+        ``request.num_computed_tokens``. None means no room: nothing changed, no lock taken.
         """
 
     @abc.abstractmethod
     def commit(self, request: Request) -> None:
-        """Publish the request's newly computed full pages to the prefix cache."""
+        """Publish the request's full pages up to ``num_computed_tokens`` to the prefix cache.
+
+        Called by core after each step that advanced the request (a no-op when prefix
+        caching is off).
+        """
 
     @abc.abstractmethod
     def free(self, request: Request) -> None:
-        """Release the request's pages; cached ones stay reusable until evicted."""
+        """Release the request's pages; cached ones stay reusable until evicted.
+
+        Freeing a request that holds no pages is a no-op.
+        """
 
     @abc.abstractmethod
     def block_table(self, request: Request) -> Sequence[int]:

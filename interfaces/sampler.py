@@ -4,14 +4,53 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, ClassVar
 
 from brigade.interfaces.request import Request
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["LogitsProcessor", "SampleOutput", "Sampler"]
+__all__ = ["LogitsProcessor", "SampleOutput", "Sampler", "SamplerParams", "SamplingBatch"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SamplerParams:
+    """What core hands samplers and logits processors at construction."""
+
+    max_num_seqs: int
+    """Persistent-batch rows: every ``row`` argument is below this."""
+    vocab_size: int
+    device: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SamplingBatch:
+    """Per-row sampling parameters of the rows sampled this step (row i = logits row i).
+
+    Core gathers these from the persistent batch once per step. The flags are computed on
+    the host, so a sampler can pick fast paths without a device sync.
+    """
+
+    rows: torch.Tensor
+    """[S] int64 persistent-batch row of each sampled row (logits processors key on it)."""
+    temperature: torch.Tensor
+    """[S] float32; 0 = greedy."""
+    top_k: torch.Tensor
+    """[S] int64; 0 = off."""
+    top_p: torch.Tensor
+    """[S] float32; 1 = off."""
+    min_p: torch.Tensor
+    """[S] float32; 0 = off."""
+    generators: Mapping[int, torch.Generator]
+    """Sampled-row index -> that request's own generator (requests with a seed only)."""
+    all_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+    any_min_p: bool
+    max_num_logprobs: int | None
+    """Largest top-N any row asked for; None when no row wants logprobs."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -30,7 +69,15 @@ class LogitsProcessor(abc.ABC):
     Rows are persistent-batch rows: a request keeps its row while it runs. State is kept per
     row in tensors so :meth:`apply` is one vectorised call for the whole batch; rows never
     registered with :meth:`add` must be left untouched.
+
+    Lifecycle: core calls :meth:`add` when a request takes a row (again after a preemption,
+    with its emitted tokens already in ``request.output_token_ids``), :meth:`apply` each step
+    while :attr:`is_active`, :meth:`accept_batch` with every step's sampled tokens, and
+    :meth:`remove` when the request leaves its row.
     """
+
+    needs_tokens: ClassVar[bool] = True
+    """False when :meth:`accept_batch` is a no-op, so core can skip the call."""
 
     @abc.abstractmethod
     def add(self, row: int, request: Request) -> None:
@@ -40,13 +87,22 @@ class LogitsProcessor(abc.ABC):
     def remove(self, row: int) -> None:
         """Forget ``row``; it may be reused by another request."""
 
+    @property
     @abc.abstractmethod
-    def apply(self, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """Edit ``logits`` [num_rows, vocab] (in place allowed) for batch rows ``rows``."""
+    def is_active(self) -> bool:
+        """True while any row needs this stage (core skips :meth:`apply` otherwise)."""
 
     @abc.abstractmethod
-    def accept(self, row: int, token_ids: list[int]) -> None:
-        """Record tokens accepted for ``row``."""
+    def apply(self, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Edit ``logits`` [S, vocab] (in place allowed) for persistent rows ``rows`` [S]."""
+
+    def accept_batch(self, rows: Sequence[int], token_ids: Sequence[int]) -> None:
+        """Record one accepted token per row (default: :meth:`accept` per row)."""
+        for row, token in zip(rows, token_ids, strict=True):
+            self.accept(row, [token])
+
+    def accept(self, row: int, token_ids: Sequence[int]) -> None:  # noqa: B027 - optional
+        """Record tokens accepted for ``row``; stages that track no tokens ignore this."""
 
     def rollback(self, row: int, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` accepted tokens (speculative decoding)."""
@@ -56,10 +112,20 @@ class LogitsProcessor(abc.ABC):
 class Sampler(abc.ABC):
     """Chooses one token per row, vectorised over the batch.
 
-    Per-request parameters live in per-row tensors that core keeps in the persistent batch
-    (``state``); a sampler never loops over requests in Python on the hot path.
+    Constructed as ``factory(params: SamplerParams, options)``. Per-request parameters arrive
+    as per-row tensors in a :class:`SamplingBatch`; a sampler never loops over requests in
+    Python on the hot path (seeded rows may draw from their own generators). Its
+    :meth:`logits_processors` run, in order, before :meth:`sample`.
     """
 
+    def logits_processors(self) -> Sequence[LogitsProcessor]:
+        """The stages this sampler wants applied before it (penalties, bias, grammar ...)."""
+        return ()
+
     @abc.abstractmethod
-    def sample(self, logits: torch.Tensor, state: Any) -> SampleOutput:
-        """logits: [num_rows, vocab] float32 after the logits-processor chain."""
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
+        """logits: [S, vocab] float32 after the logits-processor chain (may be modified).
+
+        Log probabilities, when asked for, are those of these logits (after the processors,
+        before temperature, top-k/p and min-p).
+        """

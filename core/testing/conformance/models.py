@@ -1,13 +1,4 @@
-"""Conformance checks: the behaviour every implementation of a contract must show.
-
-Each ``check_*`` function raises ``AssertionError`` with a reason on the first violation, so
-it works in any test runner::
-
-    def test_my_backend_conforms():
-        check_attention_backend(MyBackend(MyOptions()))
-
-Brigade runs the same checks on every registered component (``tests/test_conformance.py``).
-"""
+"""Conformance of the model side: attention backends, executors, model architectures."""
 
 from __future__ import annotations
 
