@@ -71,7 +71,9 @@ def load_config(
     source = str(path) if path is not None else "(defaults)"
     tables = _read_toml(Path(path)) if path is not None else {}
     _merge(tables, _env_overrides(os.environ if environ is None else environ), "environment")
-    _merge(tables, dict(parse_override(o) for o in overrides), "--set")
+    for override in overrides:
+        station, values = parse_override(override)
+        _merge(tables, {station: values}, "--set")
     unknown = sorted(set(tables) - set(STATIONS))
     if unknown:
         raise ConfigError(

@@ -33,7 +33,15 @@ def test_no_file_means_defaults(registry: Registry) -> None:
     assert config["executor"].plugin == "torch"
     assert config["executor"].options.device == "auto"
     assert config["attention"].plugin == "sdpa"
-    assert config.components == {"executor": "torch", "attention": "sdpa"}
+    assert config["scheduler"].settings.max_num_batched_tokens == 2048
+    assert config.components == {
+        "kv": "paged",
+        "scheduler": "fcfs",
+        "executor": "torch",
+        "attention": "sdpa",
+        "sampler": "standard",
+        "detokenizer": "incremental",
+    }
 
 
 def test_file_values_are_typed_and_frozen(tmp_path: Path, registry: Registry) -> None:
@@ -55,7 +63,10 @@ def test_file_values_are_typed_and_frozen(tmp_path: Path, registry: Registry) ->
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("[kv]\npagesize = 8\n", r"\[kv\]: unknown key 'pagesize'.*did you mean 'page_size'"),
+        (
+            "[kv]\npagesize = 8\n",
+            r"\[kv\] \(paged\): unknown key 'pagesize'.*did you mean 'page_size'",
+        ),
         ('[kv]\npage_size = "big"\n', r"\[kv\] page_size: expected int, got str 'big'"),
         ("[kv]\npage_size = 0\n", r"\[kv\] page_size = 0 is out of range; must be >= 1"),
         ("[kv]\nenable_prefix_caching = 1\n", r"enable_prefix_caching: expected bool, got int"),
@@ -64,7 +75,7 @@ def test_file_values_are_typed_and_frozen(tmp_path: Path, registry: Registry) ->
         ("[oven]\nheat = 3\n", r"unknown table \[oven\]; tables are model, kv"),
         ('[model]\nplugin = "x"\n', r"\[model\]: this table selects no plugin"),
         ('[attention]\nplugin = "flash"\n', r"no attention plugin named 'flash'.*sdpa"),
-        ('[scheduler]\nplugin = "fcfs"\n', r"no scheduler plugin named 'fcfs'"),
+        ('[scheduler]\nplugin = "sjf"\n', r"no scheduler plugin named 'sjf'.*: fcfs"),
         ("[executor]\nthreads = 2\n", r"\(torch\): unknown key 'threads'.*num_threads"),
         ('[executor]\ndevice = "tpu"\n', r"device = 'tpu' is not allowed"),
         ("kv = 3\n", r"top-level key 'kv' must be a table"),
@@ -92,6 +103,9 @@ def test_overrides_precedence_file_env_flag(tmp_path: Path, registry: Registry) 
     config = load_config(path, registry, environ=env, overrides=["kv.num_pages=40"])
     assert config["kv"].settings.page_size == 32
     assert config["kv"].settings.num_pages == 40
+    two = ["kv.page_size=4", "kv.num_pages=7", "kv.page_size=8"]
+    config = load_config(None, registry, environ={}, overrides=two)
+    assert (config["kv"].settings.page_size, config["kv"].settings.num_pages) == (8, 7)
     config = load_config(None, registry, environ={}, overrides=["model.path=/models/x"])
     assert config["model"].settings.path == "/models/x"
     with pytest.raises(ConfigError, match=r"station\.key=value"):
