@@ -35,9 +35,10 @@ class KVStats:
     num_pages: int
     num_free_pages: int
     prefix_cache_queries: int
-    """Prompt tokens looked up in the prefix cache."""
+    """Tokens looked up at admission (``request.num_tokens``, output included when a request
+    is re-admitted after preemption); refused admissions are not counted."""
     prefix_cache_hits: int
-    """Of those, tokens found."""
+    """Of those, tokens found (the sum of ``Allocation.num_cached_tokens``)."""
 
 
 class KVManager(abc.ABC):
@@ -48,8 +49,9 @@ class KVManager(abc.ABC):
 
     Ownership: during a step the scheduler is the only caller of :meth:`allocate` (admission,
     growth, preemption) and frees the requests it preempts. Core calls :meth:`commit` after a
-    step's tokens are accepted and :meth:`free` when a request finishes or is aborted. A page
-    is never reused while a request that holds it runs.
+    step's tokens are accepted and :meth:`free` when a request finishes or is aborted, whether
+    or not it holds pages. A ``request_id`` identifies one live request. A page is never
+    reused while a request that holds it runs.
     """
 
     supports_partial_page_reuse = False
@@ -59,13 +61,16 @@ class KVManager(abc.ABC):
     def allocate(self, request: Request, num_new_tokens: int) -> Allocation | None:
         """Make room for ``num_new_tokens`` more tokens of ``request``; all or nothing.
 
-        On a request's first call (it holds no pages: new, or preempted by recompute) the
-        manager first matches ``request.all_token_ids`` against the prefix cache, locks the hit
-        and sets ``request.num_cached_tokens``; a hit is capped at ``request.num_tokens - 1``
-        so at least one token is computed. It then reserves pages so that the first
-        ``min(num_computed_tokens + num_cached + num_new_tokens, request.num_tokens)`` tokens
-        fit. The caller (the scheduler) adds ``Allocation.num_cached_tokens`` to
-        ``request.num_computed_tokens``. None means no room: nothing changed, no lock taken.
+        On a request's first call with ``num_computed_tokens == 0`` (it holds no pages: new,
+        or preempted by recompute) the manager first matches ``request.all_token_ids``
+        against the prefix cache and locks the hit; on success it sets
+        ``request.num_cached_tokens``. A hit is capped at ``request.num_tokens - 1`` so at
+        least one token is computed. A request that holds no pages but has computed tokens
+        (swapped back in) is not matched and gets ``num_cached_tokens = 0``. It then reserves
+        pages so that the first ``min(num_computed_tokens + num_cached + num_new_tokens,
+        request.num_tokens)`` tokens fit. The caller (the scheduler) adds
+        ``Allocation.num_cached_tokens`` to ``request.num_computed_tokens``. None means no
+        room: nothing observable changed (pages, locks, stats, request fields).
         """
 
     @abc.abstractmethod
@@ -85,7 +90,12 @@ class KVManager(abc.ABC):
 
     @abc.abstractmethod
     def block_table(self, request: Request) -> Sequence[int]:
-        """The request's page ids in order."""
+        """The request's page ids in order.
+
+        Empty for a request that holds no pages; may be a live view that callers must not
+        mutate. While a request holds pages its table only grows: entries already handed out
+        never change until :meth:`free` (core copies only the new tail each step).
+        """
 
     @abc.abstractmethod
     def num_free_pages(self) -> int:

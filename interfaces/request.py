@@ -30,11 +30,11 @@ class RequestStatus(enum.Enum):
 class Request:
     """One sequence being generated.
 
-    Ownership: core creates the request and is the only writer of ``output_token_ids``; the
-    scheduler is the only writer of ``status``, ``num_computed_tokens`` and
-    ``num_preemptions`` while the request is inside the engine; the KV manager writes
-    ``num_cached_tokens`` from ``allocate``. Every other component reads only. Requests compare
-    by identity.
+    Ownership: core creates the request, is the only writer of ``output_token_ids`` and
+    writes the final ``FINISHED_*`` status; while the request waits or runs the scheduler is
+    the only writer of ``status``, ``num_computed_tokens`` and ``num_preemptions``; the KV
+    manager writes ``num_cached_tokens`` from ``allocate``. Every other component reads only.
+    Requests compare by identity.
     """
 
     request_id: str
@@ -45,6 +45,8 @@ class Request:
     priority: int = 0
     """Lower runs first under a priority scheduler; ignored by FCFS."""
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    """Only appended to while the request is in the engine (KV managers key cached pages by
+    token content)."""
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     """Tokens whose KV is in the cache (prefix hits included)."""

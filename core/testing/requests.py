@@ -1,0 +1,75 @@
+"""Request builders for scheduler and KV manager tests: no model, no tokenizer, just token ids."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from brigade.interfaces import Request, SamplingParams
+
+__all__ = ["make_request", "make_requests"]
+
+
+def make_request(
+    request_id: str,
+    token_ids: Sequence[int],
+    *,
+    max_tokens: int = 16,
+    priority: int = 0,
+    arrival_time: float = 0.0,
+    eos_token_ids: Iterable[int] = (),
+    **sampling: Any,
+) -> Request:
+    """A waiting request with prompt ``token_ids``; extra keywords go to :class:`SamplingParams`."""
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=list(token_ids),
+        sampling_params=SamplingParams(max_tokens=max_tokens, **sampling),
+        eos_token_ids=frozenset(eos_token_ids),
+        arrival_time=arrival_time,
+        priority=priority,
+    )
+
+
+def make_requests(
+    num_requests: int,
+    num_prompt_tokens: int | Sequence[int],
+    *,
+    max_tokens: int = 16,
+    num_shared_prefix_tokens: int = 0,
+    vocab_size: int = 32_000,
+    seed: int = 0,
+    id_prefix: str = "req-",
+    **sampling: Any,
+) -> list[Request]:
+    """``num_requests`` requests with seeded random prompts, named ``req-0``, ``req-1``, ...
+
+    ``num_prompt_tokens`` is one length for all or one per request. The first
+    ``num_shared_prefix_tokens`` tokens are the same in every prompt (for prefix-cache tests);
+    ``arrival_time`` is the request's index, so FCFS order is list order.
+    """
+    lengths = (
+        [num_prompt_tokens] * num_requests
+        if isinstance(num_prompt_tokens, int)
+        else list(num_prompt_tokens)
+    )
+    if len(lengths) != num_requests:
+        raise ValueError(f"got {len(lengths)} prompt lengths for {num_requests} requests")
+    if any(length < 1 for length in lengths):
+        raise ValueError(f"every prompt needs at least one token, got lengths {lengths}")
+    rng = random.Random(seed)
+    shared = [rng.randrange(vocab_size) for _ in range(num_shared_prefix_tokens)]
+    requests = []
+    for index, length in enumerate(lengths):
+        own = [rng.randrange(vocab_size) for _ in range(max(0, length - len(shared)))]
+        requests.append(
+            make_request(
+                f"{id_prefix}{index}",
+                (shared + own)[:length],
+                max_tokens=max_tokens,
+                arrival_time=float(index),
+                **sampling,
+            )
+        )
+    return requests
