@@ -58,7 +58,9 @@ class SampleOutput:
     token_ids: torch.Tensor
     """[num_rows] int64 sampled ids (the step's one device-to-host sync reads these)."""
     logprobs: torch.Tensor | None = None
-    """[num_rows, 1 + N] float32 log probability of the sampled token, then the top-N."""
+    """[num_rows, 1 + N] float32, N = ``batch.max_num_logprobs``: the sampled token's log
+    probability, then the top-N in descending order (rows that asked for fewer ignore the
+    extra columns)."""
     logprob_token_ids: torch.Tensor | None = None
     """[num_rows, 1 + N] int64 token ids matching ``logprobs``."""
 
@@ -68,7 +70,7 @@ class LogitsProcessor(abc.ABC):
 
     Rows are persistent-batch rows: a request keeps its row while it runs. State is kept per
     row in tensors so :meth:`apply` is one vectorised call for the whole batch; rows never
-    registered with :meth:`add` must be left untouched.
+    registered with :meth:`add`, or removed since, must be left untouched.
 
     Lifecycle: core calls :meth:`add` when a request takes a row (again after a preemption,
     with its emitted tokens already in ``request.output_token_ids``), :meth:`apply` each step

@@ -22,6 +22,7 @@ class SamplingParams:
     temperature: float = 1.0
     """0 means greedy."""
     top_p: float = 1.0
+    """Nucleus sampling, applied after top_k to the renormalised remaining mass."""
     top_k: int = 0
     """0 disables top-k."""
     min_p: float = 0.0
@@ -35,7 +36,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     min_tokens: int = 0
-    """No EOS or stop token is accepted before this many tokens."""
+    """No stop token (nor EOS, unless ``ignore_eos``) is sampled before this many tokens."""
     logprobs: int | None = None
     """Return the top-N log probabilities of each sampled position (0 = sampled token only)."""
     include_stop_str_in_output: bool = False

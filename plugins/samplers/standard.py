@@ -1,0 +1,141 @@
+"""The standard sampler: greedy, temperature, top-k, top-p and min-p, with per-request seeds.
+
+One pass over the whole batch; each filter runs only when the batch's host-side flags say some
+row needs it. Tokens are drawn with the exponential race: ``argmax(probs / q)`` with
+``q ~ Exp(1)`` picks token ``i`` with probability ``probs[i]``, and lets a seeded row draw its
+own noise from its own generator, so its tokens do not depend on what else is batched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from brigade.interfaces import (
+    LogitsProcessor,
+    SampleOutput,
+    Sampler,
+    SamplerParams,
+    SamplingBatch,
+)
+from brigade.plugins.samplers.processors import (
+    LogitBiasProcessor,
+    MinTokensProcessor,
+    PenaltiesProcessor,
+)
+
+__all__ = ["StandardSampler", "StandardSamplerOptions"]
+
+_MIN_TEMPERATURE = 1e-6
+"""Positive temperatures are clamped here so ``logits / T`` stays finite in float32."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StandardSamplerOptions:
+    """The standard sampler takes no options."""
+
+
+class StandardSampler(Sampler):
+    """Vectorised sampling with the min_tokens, logit_bias and penalties stages before it."""
+
+    def __init__(self, params: SamplerParams, options: StandardSamplerOptions) -> None:
+        self.params = params
+        self.options = options
+        self._processors: tuple[LogitsProcessor, ...] = (
+            MinTokensProcessor(params),
+            LogitBiasProcessor(params),
+            PenaltiesProcessor(params),
+        )
+
+    def logits_processors(self) -> Sequence[LogitsProcessor]:
+        """min_tokens (masks stop ids), logit_bias, then penalties: always the same objects."""
+        return self._processors
+
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
+        """Pick one token per row of ``logits`` [S, vocab]; modifies ``logits`` in place."""
+        logprobs = logprob_token_ids = None
+        if batch.max_num_logprobs is not None:
+            all_logprobs = torch.log_softmax(logits, dim=-1)  # [S, vocab]
+        # token_ids: [S]
+        token_ids = _argmax(logits) if batch.all_greedy else _sample_random(logits, batch)
+        if batch.max_num_logprobs is not None:
+            logprobs, logprob_token_ids = _gather_logprobs(
+                all_logprobs, token_ids, batch.max_num_logprobs
+            )
+        return SampleOutput(token_ids, logprobs, logprob_token_ids)
+
+
+def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Sample [S] token ids; rows with temperature 0 take the argmax."""
+    greedy = batch.temperature == 0  # [S]
+    greedy_ids = _argmax(logits)  # [S]
+    temperature = torch.where(greedy, 1.0, batch.temperature.clamp_min(_MIN_TEMPERATURE))
+    logits.div_(temperature.unsqueeze(1))
+    if batch.any_top_k or batch.any_top_p:
+        logits = _apply_top_k_top_p(logits, batch)
+    if batch.any_min_p:
+        # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p): no softmax needed, and
+        # unaffected by the renormalisation after top-k/top-p.
+        threshold = logits.amax(dim=-1, keepdim=True) + batch.min_p.log().unsqueeze(1)  # [S, 1]
+        logits.masked_fill_(logits < threshold, float("-inf"))
+    probs = logits.softmax(dim=-1)  # [S, vocab]
+    noise = _exponential_noise(probs, batch.generators)  # [S, vocab]
+    sampled = _argmax(probs.div_(noise))  # [S]
+    return torch.where(greedy, greedy_ids, sampled)
+
+
+def _argmax(values: torch.Tensor) -> torch.Tensor:
+    """[S] index of each row's maximum, the first on ties (as ``argmax``, ~1.7x faster on CPU)."""
+    return values.max(dim=-1).indices
+
+
+def _exponential_noise(
+    probs: torch.Tensor, generators: Mapping[int, torch.Generator]
+) -> torch.Tensor:
+    """Exp(1) draws shaped like ``probs``; a seeded row's come from its own generator only.
+
+    Unseeded rows share one draw from the default generator. Every draw is > 0, so
+    ``probs / noise`` never divides by zero.
+    """
+    noise = torch.empty_like(probs)
+    if probs.device.type != "cpu":
+        noise.exponential_()  # CUDA's exponential_ excludes 0 by construction
+        for index, generator in generators.items():
+            noise[index].exponential_(generator=generator)
+        return noise
+    # On CPU, exponential_ is ~4x slower than uniform_ followed by -log: u in [0, 1) gives
+    # -log(u) in (0, inf], and an infinite draw only means that token cannot win.
+    noise.uniform_()
+    for index, generator in generators.items():
+        noise[index].uniform_(generator=generator)
+    return noise.log_().neg_()
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Mask tokens outside each row's top-k and top-p nucleus, with one shared sort."""
+    vocab_size = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1)  # [S, vocab] ascending
+    if batch.any_top_k:
+        top_k = batch.top_k.masked_fill(batch.top_k <= 0, vocab_size).clamp_max(vocab_size)
+        kth_largest = sorted_logits.gather(1, (vocab_size - top_k).unsqueeze(1))  # [S, 1]
+        sorted_logits.masked_fill_(sorted_logits < kth_largest, float("-inf"))
+    if batch.any_top_p:
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [S, vocab]
+        # A token is dropped when everything up to it (ascending) weighs at most 1 - p, i.e.
+        # when the tokens above it already reach p: what is left is the minimal nucleus.
+        outside = cumulative <= (1 - batch.top_p).unsqueeze(1)  # [S, vocab]
+        outside[:, -1] = False  # the most likely token always stays
+        sorted_logits.masked_fill_(outside, float("-inf"))
+    return logits.scatter_(1, order, sorted_logits)
+
+
+def _gather_logprobs(
+    all_logprobs: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[S, 1 + N] logprobs and ids: the sampled token's first, then the top-N descending."""
+    top_logprobs, top_ids = all_logprobs.topk(num_logprobs, dim=-1)  # [S, N]
+    sampled = token_ids.unsqueeze(1)  # [S, 1]
+    logprobs = torch.cat([all_logprobs.gather(1, sampled), top_logprobs], dim=1)
+    return logprobs, torch.cat([sampled, top_ids], dim=1)

@@ -1,0 +1,226 @@
+"""The standard sampler and its logits processors: conformance, distributions, numerics."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+
+from brigade.interfaces import LogitsProcessor, Request, SamplerParams, SamplingParams
+from brigade.plugins.samplers.processors import (
+    LogitBiasProcessor,
+    MinTokensProcessor,
+    PenaltiesProcessor,
+)
+from brigade.plugins.samplers.standard import StandardSampler, StandardSamplerOptions
+from brigade.testing.conformance.sampler import check_sampler, make_sampling_batch
+
+VOCAB = 16
+PARAMS = SamplerParams(max_num_seqs=8, vocab_size=VOCAB, device="cpu")
+NUM_DRAWS = 50_000
+
+
+def request(
+    prompt: Sequence[int] = (1, 2),
+    output: Sequence[int] = (),
+    eos: Sequence[int] = (),
+    **sampling: Any,
+) -> Request:
+    return Request(
+        "r",
+        list(prompt),
+        SamplingParams(max_tokens=64, **sampling),
+        eos_token_ids=frozenset(eos),
+        output_token_ids=list(output),
+    )
+
+
+def sampler() -> StandardSampler:
+    return StandardSampler(PARAMS, StandardSamplerOptions())
+
+
+def run_chain(
+    processors: Sequence[LogitsProcessor], logits: torch.Tensor, rows: list[int]
+) -> torch.Tensor:
+    """What core does before sampling: every active stage, in order."""
+    logits = logits.clone()
+    for processor in processors:
+        if processor.is_active:
+            logits = processor.apply(logits, torch.tensor(rows))
+    return logits
+
+
+def frequencies(tokens: torch.Tensor) -> torch.Tensor:
+    return torch.bincount(tokens, minlength=VOCAB).double() / tokens.numel()
+
+
+def fixed_logits() -> torch.Tensor:
+    return torch.linspace(2.0, -2.5, VOCAB)[torch.randperm(VOCAB, generator=torch.Generator())]
+
+
+def test_standard_sampler_conforms() -> None:
+    check_sampler(StandardSampler, StandardSamplerOptions())
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_empirical_distribution_matches_softmax(temperature: float) -> None:
+    torch.manual_seed(0)
+    logits = fixed_logits()
+    batch = make_sampling_batch(NUM_DRAWS, temperature=temperature)
+    tokens = sampler().sample(logits.expand(NUM_DRAWS, VOCAB).clone(), batch).token_ids
+    expected = (logits.double() / temperature).softmax(-1)
+    total_variation = 0.5 * float((frequencies(tokens) - expected).abs().sum())
+    assert total_variation < 0.02
+
+
+def test_seeded_rows_follow_the_distribution_too() -> None:
+    logits = fixed_logits()
+    num_rows = 5000
+    batch = make_sampling_batch(num_rows, seeds={i: 1000 + i for i in range(num_rows)})
+    tokens = sampler().sample(logits.expand(num_rows, VOCAB).clone(), batch).token_ids
+    total_variation = 0.5 * float((frequencies(tokens) - logits.double().softmax(-1)).abs().sum())
+    assert total_variation < 0.05
+
+
+def test_top_p_keeps_exactly_the_minimal_nucleus_after_temperature() -> None:
+    torch.manual_seed(1)
+    logits, temperature, top_p = fixed_logits(), 0.7, 0.8
+    probs = (logits.double() / temperature).softmax(-1)
+    order = probs.argsort(descending=True)
+    mass_before = probs[order].cumsum(0) - probs[order]  # mass strictly above each token
+    nucleus = set(order[mass_before < top_p].tolist())
+    batch = make_sampling_batch(NUM_DRAWS, temperature=temperature, top_p=top_p)
+    tokens = sampler().sample(logits.expand(NUM_DRAWS, VOCAB).clone(), batch).token_ids
+    assert set(tokens.unique().tolist()) == nucleus
+    expected = torch.zeros(VOCAB, dtype=torch.float64)
+    expected[list(nucleus)] = probs[list(nucleus)] / probs[list(nucleus)].sum()
+    assert 0.5 * float((frequencies(tokens) - expected).abs().sum()) < 0.02
+
+
+def test_min_p_keeps_tokens_at_or_above_the_scaled_threshold() -> None:
+    torch.manual_seed(2)
+    logits, temperature, min_p = fixed_logits(), 1.5, 0.3
+    probs = (logits.double() / temperature).softmax(-1)
+    kept = set(torch.nonzero(probs >= min_p * probs.max()).flatten().tolist())
+    assert 1 < len(kept) < VOCAB
+    batch = make_sampling_batch(NUM_DRAWS, temperature=temperature, min_p=min_p)
+    tokens = sampler().sample(logits.expand(NUM_DRAWS, VOCAB).clone(), batch).token_ids
+    assert set(tokens.unique().tolist()) == kept
+
+
+def test_penalties_numerically() -> None:
+    penalties = PenaltiesProcessor(PARAMS)
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0, -2.0, 1.0] + [0.0] * (VOCAB - 6))
+    rep = request((0, 1), repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)
+    additive = request((2,), presence_penalty=1.0, frequency_penalty=0.5)
+    penalties.add(4, rep)
+    penalties.add(6, additive)
+    for token in (3, 3, 4):
+        penalties.accept_batch([4, 6], [token, token])
+    out = run_chain([penalties], logits.expand(3, VOCAB), [4, 6, 2])
+    # repetition over prompt (0, 1) and output (3, 4): x > 0 -> x / 2, else x * 2;
+    # presence/frequency over output only: 3 -> -(0.5 + 2 * 0.25), 4 -> -(0.5 + 0.25)
+    assert out[0, :6].tolist() == [1.0, -2.0, 0.5, 0.5, -4.75, 1.0]
+    # no repetition penalty: prompt token 2 untouched; 3 -> -(1 + 2 * 0.5), 4 -> -(1 + 0.5)
+    assert out[1, :6].tolist() == [2.0, -1.0, 0.5, 1.0, -3.5, 1.0]
+    assert torch.equal(out[2], logits)  # row 2 never added
+    # The row is reused after a preemption: emitted tokens count, the old counts do not.
+    penalties.remove(4)
+    penalties.add(4, request((5,), output=(2, 2), repetition_penalty=1.5, frequency_penalty=0.1))
+    out = run_chain([penalties], logits.unsqueeze(0), [4])
+    expected = logits.clone()
+    expected[5] = 1.0 / 1.5
+    expected[2] = 0.5 / 1.5 - 0.2
+    assert torch.allclose(out[0], expected)
+
+
+def test_logit_bias_adds_to_its_rows_only() -> None:
+    bias = LogitBiasProcessor(PARAMS)
+    bias.add(1, request(logit_bias={3: 4.0, 0: -100.0}))
+    bias.add(5, request(logit_bias={3: -1.5}))
+    logits = torch.randn(3, VOCAB)
+    out = run_chain([bias], logits, [5, 0, 1])
+    expected = logits.clone()
+    expected[0, 3] -= 1.5
+    expected[2, 3] += 4.0
+    expected[2, 0] -= 100.0
+    assert torch.equal(out, expected)
+    bias.remove(1)
+    bias.remove(5)
+    assert not bias.is_active
+    with pytest.raises(ValueError, match=r"outside the vocabulary.*\[16\]"):
+        bias.add(2, request(logit_bias={VOCAB: 1.0}))
+
+
+def test_min_tokens_masks_stop_ids_then_unmasks() -> None:
+    min_tokens = MinTokensProcessor(PARAMS)
+    min_tokens.add(0, request(eos=(7,), min_tokens=2, stop_token_ids=(9,)))
+    min_tokens.add(1, request(eos=(7,), min_tokens=3, stop_token_ids=(9,), ignore_eos=True))
+    min_tokens.add(2, request(eos=(7,), output=(1, 1, 1), min_tokens=3))  # preempted, done
+    logits = torch.zeros(3, VOCAB)
+    out = run_chain([min_tokens], logits, [0, 1, 2])
+    assert torch.isinf(out[0, [7, 9]]).all()
+    assert torch.isinf(out[1, 9])
+    assert out[1, 7] == 0.0  # ignore_eos: EOS is an ordinary token
+    assert torch.isfinite(out[0, :7]).all()
+    assert torch.equal(out[2], logits[2])
+    min_tokens.accept_batch([0, 1, 2], [3, 3, 3])
+    min_tokens.accept_batch([1, 2], [3, 3])  # row 0 not sampled this step
+    assert torch.isinf(run_chain([min_tokens], logits, [0, 1, 2])[0, 7])
+    min_tokens.accept_batch([0, 1], [4, 4])
+    assert not min_tokens.is_active
+    assert torch.equal(run_chain([min_tokens], logits, [0, 1, 2]), logits)
+
+
+def test_min_tokens_through_the_sampler_never_emits_eos_early() -> None:
+    chain = sampler()
+    chain_processors = chain.logits_processors()
+    for processor in chain_processors:
+        processor.add(0, request(eos=(0,), min_tokens=3, logit_bias={0: 100.0}))
+    emitted = []
+    for _ in range(4):
+        logits = run_chain(chain_processors, torch.zeros(1, VOCAB), [0])
+        token = int(chain.sample(logits, make_sampling_batch(1, temperature=0)).token_ids[0])
+        emitted.append(token)
+        for processor in chain_processors:
+            if processor.needs_tokens:
+                processor.accept_batch([0], [token])
+    assert 0 not in emitted[:3]
+    assert emitted[3] == 0
+
+
+def test_seeded_output_independent_of_batch_composition() -> None:
+    torch.manual_seed(3)
+    steps = [torch.randn(VOCAB) for _ in range(20)]
+
+    def tokens(num_rows: int, position: int, seed: int, **others: Any) -> list[int]:
+        chain = sampler()
+        generator = torch.Generator().manual_seed(seed)  # lives as long as the request
+        out = []
+        for step in steps:
+            logits = torch.randn(num_rows, VOCAB) * 2
+            logits[position] = step
+            batch = make_sampling_batch(num_rows, generators={position: generator}, **others)
+            out.append(int(chain.sample(logits, batch).token_ids[position]))
+        return out
+
+    alone = tokens(1, 0, seed=42)
+    assert tokens(7, 4, seed=42, top_k=[0, 3, 0, 5, 0, 2, 0]) == alone
+    assert tokens(3, 2, seed=42, temperature=[0.0, 0.3, 1.0]) == alone
+    assert tokens(1, 0, seed=43) != alone
+
+
+def test_processors_stay_inactive_for_plain_requests() -> None:
+    chain = sampler()
+    plain = request(eos=(3,), temperature=0.7, top_p=0.9, seed=5, stop_token_ids=(4,))
+    for row, processor in enumerate(chain.logits_processors()):
+        processor.add(row, plain)
+        assert not processor.is_active, type(processor).__name__
+    penalised = request(presence_penalty=0.1)
+    penalties = chain.logits_processors()[2]
+    penalties.add(7, penalised)
+    assert penalties.is_active
+    penalties.remove(7)
+    assert not penalties.is_active
