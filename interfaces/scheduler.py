@@ -57,7 +57,11 @@ class Scheduler(abc.ABC):
 
     @abc.abstractmethod
     def update(self, output: SchedulerOutput, finished: Iterable[Request]) -> None:
-        """Account for a completed step: advance computed counts, drop finished requests."""
+        """Account for a completed step: advance computed counts, drop finished requests.
+
+        Core calls it after appending the step's sampled tokens and marking ``finished``
+        requests FINISHED_*; core frees their pages afterwards.
+        """
 
     @abc.abstractmethod
     def has_unfinished(self) -> bool:

@@ -1,0 +1,104 @@
+"""The FCFS scheduler on the shared mechanics, driven without a model."""
+
+from __future__ import annotations
+
+from brigade.interfaces import KVPoolParams, RequestStatus, SchedulerParams
+from brigade.plugins.kv.paged import PagedKVManager, PagedKVOptions
+from brigade.plugins.schedulers.fcfs import FcfsOptions, FcfsScheduler
+from brigade.testing.conformance import check_scheduler, simulate
+from brigade.testing.requests import make_request, make_requests
+
+PAGE = 4
+
+
+def make(num_pages: int = 100, *, max_seqs: int = 8, budget: int = 32, chunked: bool = True):
+    kv = PagedKVManager(KVPoolParams(num_pages, PAGE), PagedKVOptions())
+    params = SchedulerParams(max_seqs, budget, max_model_len=256, enable_chunked_prefill=chunked)
+    return FcfsScheduler(params, kv, FcfsOptions()), kv
+
+
+def test_fcfs_conforms() -> None:
+    check_scheduler(FcfsScheduler, FcfsOptions(), PagedKVManager, PagedKVOptions(), page_size=4)
+
+
+def test_admits_in_arrival_order_within_the_budget() -> None:
+    scheduler, _ = make(budget=20)
+    for request in make_requests(4, 8):
+        scheduler.add(request)
+    plan = scheduler.schedule()
+    assert [(s.request.request_id, s.num_new_tokens) for s in plan.scheduled] == [
+        ("req-0", 8),
+        ("req-1", 8),
+        ("req-2", 4),  # the rest of the budget: a chunk
+    ]
+    assert scheduler.stats().num_waiting == 1
+
+
+def test_decodes_run_first_and_share_the_budget_with_a_long_prefill() -> None:
+    scheduler, kv = make(budget=16)
+    short = make_request("short", [1, 2, 3])
+    scheduler.add(short)
+    simulate_step(scheduler, kv)
+    long = make_request("long", list(range(10, 60)))
+    scheduler.add(long)
+    plan = scheduler.schedule()
+    assert [(s.request.request_id, s.num_new_tokens) for s in plan.scheduled] == [
+        ("short", 1),
+        ("long", 15),
+    ]
+
+
+def test_no_chunking_means_whole_prompts_only() -> None:
+    scheduler, _ = make(budget=16, chunked=False)
+    scheduler.add(make_request("a", list(range(12))))
+    scheduler.add(make_request("b", list(range(12))))
+    plan = scheduler.schedule()
+    assert [s.request.request_id for s in plan.scheduled] == ["a"]
+
+
+def test_max_num_seqs_caps_the_running_set() -> None:
+    scheduler, _ = make(max_seqs=2)
+    for request in make_requests(5, 2):
+        scheduler.add(request)
+    assert len(scheduler.schedule().scheduled) == 2
+
+
+def test_the_latest_admitted_is_preempted_and_requeued_first() -> None:
+    scheduler, kv = make(num_pages=4, budget=64)
+    first, second = make_request("first", [1] * 8), make_request("second", [2] * 8)
+    third = make_request("third", [3] * 3)
+    for request in (first, second, third):
+        scheduler.add(request)
+    plan = scheduler.schedule()
+    assert [s.request.request_id for s in plan.scheduled] == ["first", "second"]
+    simulate_finish_step(scheduler, kv, plan)
+    # Both now need a third page; only "first" gets it, "second" (latest admitted) yields.
+    plan = scheduler.schedule()
+    assert [s.request.request_id for s in plan.scheduled] == ["first"]
+    assert [r.request_id for r in plan.preempted] == ["second"]
+    assert second.status is RequestStatus.PREEMPTED
+    assert second.num_computed_tokens == 0
+    assert [r.request_id for r in scheduler.waiting] == ["second", "third"]
+
+
+def test_every_request_finishes_under_pressure_with_the_same_token_counts() -> None:
+    scheduler, kv = make(num_pages=10, budget=12)
+    requests = make_requests(8, [5, 13, 2, 9, 7, 3, 11, 6], max_tokens=9)
+    plans = simulate(scheduler, kv, requests, page_size=PAGE)
+    assert all(r.num_output_tokens == 9 for r in requests)
+    assert sum(len(p.preempted) for p in plans) > 0
+    assert kv.num_free_pages() == 10
+
+
+def simulate_step(scheduler: FcfsScheduler, kv: PagedKVManager) -> None:
+    simulate_finish_step(scheduler, kv, scheduler.schedule())
+
+
+def simulate_finish_step(scheduler: FcfsScheduler, kv: PagedKVManager, plan) -> None:  # type: ignore[no-untyped-def]
+    for item in plan.scheduled:
+        request = item.request
+        if request.num_computed_tokens + item.num_new_tokens == request.num_tokens:
+            request.output_token_ids.append(5)
+    scheduler.update(plan, [])
+    for item in plan.scheduled:
+        kv.commit(item.request)
