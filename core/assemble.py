@@ -13,7 +13,13 @@ from brigade.registry import Registry
 if TYPE_CHECKING:
     from pathlib import Path
 
-__all__ = ["ModelPath", "build_executor", "kv_pool_pages", "resolve_model_path"]
+__all__ = [
+    "ModelPath",
+    "build_executor",
+    "kv_pool_pages",
+    "read_eos_token_ids",
+    "resolve_model_path",
+]
 
 GIB = 1 << 30
 
@@ -80,7 +86,10 @@ def kv_pool_pages(executor: Executor, config: EngineConfig) -> int:
         num_pages = kv.num_pages
     else:
         budget = min(spec.available_bytes * kv.memory_fraction, kv.max_memory_gib * GIB)
-        num_pages = int(budget // spec.bytes_per_page)
+        # More than every sequence at full length could ever hold is memory wasted.
+        max_num_seqs = config["scheduler"].settings.max_num_seqs
+        useful = max_num_seqs * -(-spec.max_model_len // kv.page_size)
+        num_pages = min(int(budget // spec.bytes_per_page), useful)
     if num_pages < 1:
         raise ConfigError(
             f"{config.source} [kv]: no room for a single KV page "
@@ -97,3 +106,26 @@ def _model_architecture(names: list[str], registry: Registry, model_dir: Path) -
         f"{model_dir}: architecture {', '.join(names) or '(none given)'} is not supported; "
         f"supported: {', '.join(registry.names('model'))}"
     )
+
+
+def read_eos_token_ids(model_dir: Path) -> frozenset[int]:
+    """End-of-sequence ids: ``generation_config.json``'s, else ``config.json``'s."""
+    import json
+
+    from brigade.models.loader import read_hf_config
+
+    ids: object = None
+    generation = model_dir / "generation_config.json"
+    if generation.is_file():
+        try:
+            ids = json.loads(generation.read_text(encoding="utf-8")).get("eos_token_id")
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"{generation} is not valid JSON: {exc}") from exc
+    if ids is None:
+        ids = read_hf_config(model_dir).get("eos_token_id")
+    if ids is None:
+        return frozenset()
+    values = ids if isinstance(ids, list) else [ids]
+    if not all(isinstance(v, int) for v in values):
+        raise ModelLoadError(f"{model_dir}: eos_token_id must be an integer or a list of them")
+    return frozenset(values)

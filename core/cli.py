@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from brigade.errors import BrigadeError
+from brigade.interfaces import SamplingParams
 
 __all__ = ["main"]
 
@@ -64,12 +65,18 @@ def _build_parser() -> argparse.ArgumentParser:
     create.add_argument("--tie-word-embeddings", action="store_true")
     create.set_defaults(handler=_cmd_model_create)
 
-    generate = commands.add_parser("generate", help="greedy generation offline")
+    generate = commands.add_parser("generate", help="generate offline (greedy by default)")
     generate.add_argument("--config", help="TOML config (omit for the defaults)")
     _add_override_flag(generate)
     generate.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     generate.add_argument("--prompts-file", help="a file with one prompt per line")
     generate.add_argument("--max-tokens", type=int, default=32)
+    generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    generate.add_argument("--top-p", type=float, default=1.0)
+    generate.add_argument("--top-k", type=int, default=0)
+    generate.add_argument("--seed", type=int, default=None)
+    generate.add_argument("--ignore-eos", action="store_true")
+    generate.add_argument("--stop", action="append", default=[], help="a stop string")
     generate.set_defaults(handler=_cmd_generate)
     return parser
 
@@ -169,51 +176,44 @@ def _cmd_model_create(args: argparse.Namespace) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from transformers import AutoTokenizer
-
-    from brigade.assemble import build_executor
-    from brigade.models.loader import read_hf_config
-    from brigade.testing.reference import greedy_generate
+    from brigade.llm import LLM
 
     prompts = list(args.prompt)
     if args.prompts_file:
-        lines = Path(args.prompts_file).read_text(encoding="utf-8").splitlines()
+        try:
+            lines = Path(args.prompts_file).read_text(encoding="utf-8").splitlines()
+        except OSError as exc:
+            raise BrigadeError(f"cannot read --prompts-file: {exc}") from exc
         prompts += [line for line in lines if line.strip()]
     if not prompts:
         raise BrigadeError("give at least one --prompt or a --prompts-file")
-    if args.max_tokens < 1:
-        raise BrigadeError("--max-tokens must be >= 1")
-    config, registry = _load(args.config, args.set)
-    started = time.perf_counter()
-    model = build_executor(config, registry)
-    loaded = time.perf_counter()
-    tokenizer = AutoTokenizer.from_pretrained(model.model_dir)
-    eos = read_hf_config(model.model_dir).get("eos_token_id")
-    eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    token_ids = [tokenizer.encode(p, add_special_tokens=False) or [0] for p in prompts]
-    longest = max(len(t) for t in token_ids) + args.max_tokens
-    if longest > model.max_model_len:
-        raise BrigadeError(
-            f"a prompt plus --max-tokens needs {longest} tokens; max_model_len is "
-            f"{model.max_model_len}"
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            ignore_eos=args.ignore_eos,
+            stop=tuple(args.stop),
         )
-    pages = sum(-(-(len(t) + args.max_tokens) // model.page_size) for t in token_ids)
-    if pages > model.num_pages:
-        raise BrigadeError(f"these prompts need {pages} KV pages; the pool has {model.num_pages}")
-    outputs = greedy_generate(
-        model.executor,
-        token_ids,
-        args.max_tokens,
-        page_size=model.page_size,
-        eos_token_ids=eos_ids,
-    )
+    except ValueError as exc:
+        raise BrigadeError(str(exc)) from exc
+    started = time.perf_counter()
+    llm = LLM(args.config, overrides=args.set)
+    loaded = time.perf_counter()
+    outputs = llm.generate(prompts, params)
     done = time.perf_counter()
-    for prompt, output in zip(prompts, outputs, strict=True):
-        print(f"{prompt!r} -> {tokenizer.decode(output, skip_special_tokens=True)!r}")
-    generated = sum(len(o) for o in outputs)
+    for prompt, result in zip(prompts, outputs, strict=True):
+        print(f"{prompt!r} -> {result.outputs[0].text!r}")
+    generated = sum(len(o.token_ids) for r in outputs for o in r.outputs)
+    engine = llm.engine
+    kv = engine.kv.stats()
     print(
-        f"[{model.model_dir.name}: loaded in {loaded - started:.1f}s, {generated} tokens in "
-        f"{done - loaded:.2f}s, KV pool {model.num_pages} pages x {model.page_size}]",
+        f"[{engine.model_dir.name}: loaded in {loaded - started:.1f}s; {generated} tokens in "
+        f"{done - loaded:.2f}s over {engine.num_steps} steps; KV pool {kv.num_pages} pages x "
+        f"{engine.batch.page_size}; prefix cache hits {kv.prefix_cache_hits}/"
+        f"{kv.prefix_cache_queries} tokens]",
         file=sys.stderr,
     )
     return 0

@@ -7,6 +7,7 @@ __all__ = [
     "ConfigError",
     "DuplicateComponentError",
     "ModelLoadError",
+    "RequestError",
     "UnknownComponentError",
 ]
 
@@ -28,6 +29,10 @@ class UnknownComponentError(BrigadeError, KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the whole message
         return str(self.args[0]) if self.args else ""
+
+
+class RequestError(BrigadeError, ValueError):
+    """A request the engine cannot serve (bad prompt, parameters out of range, too long)."""
 
 
 class ModelLoadError(BrigadeError, ValueError):

@@ -6,7 +6,7 @@ import dataclasses
 
 from brigade.interfaces import option
 
-__all__ = ["STATIONS", "KVSettings", "ModelSettings", "NoSettings", "Station"]
+__all__ = ["STATIONS", "KVSettings", "ModelSettings", "NoSettings", "SchedulerSettings", "Station"]
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -21,7 +21,7 @@ class ModelSettings:
     max_model_len: int = option(
         0, help="longest sequence (prompt + output); 0 = the model's own limit", ge=0
     )
-    seed: int = option(0, help="seed for anything random at engine level", ge=0)
+    seed: int = option(0, help="seed of the shared generator for unseeded requests", ge=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +34,17 @@ class KVSettings:
     max_memory_gib: float = option(4.0, help="upper bound of the KV pool in GiB", gt=0)
     cache_dtype: str = option("auto", help="KV cache dtype; auto = model dtype", choices=DTYPES)
     enable_prefix_caching: bool = option(True, help="reuse KV of shared prompt prefixes")
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerSettings:
+    max_num_seqs: int = option(128, help="most requests in one step", ge=1)
+    max_num_batched_tokens: int = option(
+        2048, help="token budget of one step, shared by prefill chunks and decodes", ge=1
+    )
+    enable_chunked_prefill: bool = option(
+        True, help="split long prompts across steps so decodes keep running"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,12 +65,12 @@ STATIONS: dict[str, Station] = {
     s.name: s
     for s in (
         Station("model", None, None, ModelSettings),
-        Station("kv", "kv", None, KVSettings),
-        Station("scheduler", "scheduler", None, NoSettings),
+        Station("kv", "kv", "paged", KVSettings),
+        Station("scheduler", "scheduler", "fcfs", SchedulerSettings),
         Station("executor", "executor", "torch", NoSettings),
         Station("attention", "attention", "sdpa", NoSettings),
-        Station("sampler", "sampler", None, NoSettings),
-        Station("detokenizer", "detokenizer", None, NoSettings),
+        Station("sampler", "sampler", "standard", NoSettings),
+        Station("detokenizer", "detokenizer", "incremental", NoSettings),
     )
 }
 """Every table a config may contain, in the order a step visits them."""

@@ -4,14 +4,27 @@ from __future__ import annotations
 
 from brigade.interfaces import ComponentRegistry, hookimpl
 from brigade.plugins.attention.sdpa import SdpaBackend
+from brigade.plugins.detokenizers.incremental import (
+    IncrementalDetokenizer,
+    IncrementalDetokenizerOptions,
+)
 from brigade.plugins.executors.torch_executor import TorchExecutor, TorchExecutorOptions
+from brigade.plugins.kv.paged import PagedKVManager, PagedKVOptions
 from brigade.plugins.models.architectures import ARCHITECTURES
+from brigade.plugins.samplers.standard import StandardSampler, StandardSamplerOptions
+from brigade.plugins.schedulers.fcfs import FcfsOptions, FcfsScheduler
 
 
 @hookimpl
 def brigade_register(registry: ComponentRegistry) -> None:
-    """Add the built-in attention backend, executor and model architectures."""
-    registry.add("attention", "sdpa", SdpaBackend)
+    """Add every built-in component."""
+    registry.add("scheduler", "fcfs", FcfsScheduler, options=FcfsOptions)
+    registry.add("kv", "paged", PagedKVManager, options=PagedKVOptions)
     registry.add("executor", "torch", TorchExecutor, options=TorchExecutorOptions)
+    registry.add("attention", "sdpa", SdpaBackend)
+    registry.add("sampler", "standard", StandardSampler, options=StandardSamplerOptions)
+    registry.add(
+        "detokenizer", "incremental", IncrementalDetokenizer, options=IncrementalDetokenizerOptions
+    )
     for hf_name, architecture in ARCHITECTURES.items():
         registry.add("model", hf_name, architecture)

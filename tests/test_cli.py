@@ -55,11 +55,11 @@ def test_generate_with_a_created_model_and_a_prompts_file(
     ("argv", "message"),
     [
         (["generate"], "give at least one --prompt"),
-        (["generate", "--prompt", "x", "--max-tokens", "0"], "--max-tokens must be >= 1"),
+        (["generate", "--prompt", "x", "--max-tokens", "0"], "max_tokens=0 is invalid"),
         (["generate", "--prompt", "x", "--set", "kv.page_size=abc"], "expected int"),
         (
-            ["generate", "--prompt", "x", "--set", "kv.num_pages=1", "--max-tokens", "40"],
-            "need 3 KV pages; the pool has 1",
+            ["generate", "--prompt", "x " * 40, "--set", "kv.num_pages=1"],
+            "this engine serves at most 15 prompt tokens",
         ),
         (["generate", "--prompt", "x", "--set", "model.path=/nonexistent"], "/nonexistent"),
         (["model", "create", "--arch", "gpt2", "--out", "x"], "gpt2"),

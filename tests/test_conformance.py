@@ -19,8 +19,12 @@ from brigade.plugins.executors.torch_executor import TorchExecutor, TorchExecuto
 from brigade.registry import Component, load_registry
 from brigade.testing.conformance import (
     check_attention_backend,
+    check_detokenizer,
     check_executor,
+    check_kv_manager,
     check_model_architecture,
+    check_sampler,
+    check_scheduler,
 )
 
 REGISTRY = load_registry()
@@ -100,3 +104,33 @@ def test_a_wrong_backend_fails_the_attention_check() -> None:
 
     with pytest.raises(AssertionError, match=r"against the reference|non-finite"):
         check_attention_backend(ForgetfulBackend(NoOptions()), head_dims=(64,))
+
+
+@pytest.mark.parametrize("component", components("kv"), ids=ids)
+def test_kv_manager_conforms(component: Component) -> None:
+    check_kv_manager(component.factory, build_options(component.options_type, {}, component.name))
+
+
+@pytest.mark.parametrize("component", components("scheduler"), ids=ids)
+def test_scheduler_conforms(component: Component) -> None:
+    paged = REGISTRY.get("kv", "paged")
+    check_scheduler(
+        component.factory,
+        build_options(component.options_type, {}, component.name),
+        paged.factory,
+        build_options(paged.options_type, {}, "paged"),
+    )
+
+
+@pytest.mark.parametrize("component", components("sampler"), ids=ids)
+def test_sampler_conforms(component: Component) -> None:
+    check_sampler(component.factory, build_options(component.options_type, {}, component.name))
+
+
+@pytest.mark.parametrize("component", components("detokenizer"), ids=ids)
+def test_detokenizer_conforms(component: Component, tiny_llama: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    options = build_options(component.options_type, {}, component.name)
+    check_detokenizer(component.factory, options, tokenizer)

@@ -9,16 +9,27 @@ it works in any test runner::
 Brigade runs the same checks on every registered component (``tests/test_conformance.py``).
 """
 
+from brigade.testing.conformance.detokenizer import DETOKENIZER_TEXTS, check_detokenizer
+from brigade.testing.conformance.kv import check_kv_manager
 from brigade.testing.conformance.models import (
     ATTENTION_CASES,
     check_attention_backend,
     check_executor,
     check_model_architecture,
 )
+from brigade.testing.conformance.sampler import check_sampler, make_sampling_batch
+from brigade.testing.conformance.scheduler import check_scheduler, simulate
 
 __all__ = [
     "ATTENTION_CASES",
+    "DETOKENIZER_TEXTS",
     "check_attention_backend",
+    "check_detokenizer",
     "check_executor",
+    "check_kv_manager",
     "check_model_architecture",
+    "check_sampler",
+    "check_scheduler",
+    "make_sampling_batch",
+    "simulate",
 ]

@@ -1,0 +1,266 @@
+"""The engine core: one step = schedule, build the batch, execute, sample, account.
+
+Token ids in, token ids out; text, stop strings and HTTP live in the frontend (``LLM``, the
+server), outside the step loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from brigade.assemble import build_executor, read_eos_token_ids
+from brigade.config import EngineConfig
+from brigade.errors import ConfigError, RequestError
+from brigade.interfaces import (
+    KVManager,
+    KVPoolParams,
+    LogitsProcessor,
+    Request,
+    RequestStatus,
+    Sampler,
+    SamplerParams,
+    SamplingParams,
+    Scheduler,
+    SchedulerParams,
+)
+from brigade.persistent_batch import PersistentBatch
+from brigade.registry import Registry
+
+__all__ = ["EngineCore", "StepUpdate", "TokenLogprob"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """Log probability of a sampled token and the top alternatives at its position."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepUpdate:
+    """What one step did for one request."""
+
+    request: Request
+    new_token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    finished: bool
+
+
+class EngineCore:
+    """Owns the scheduler, KV manager, executor, sampler and the persistent batch."""
+
+    def __init__(self, config: EngineConfig, registry: Registry) -> None:
+        self.config = config
+        self.hook = registry.hook
+        model = build_executor(config, registry)
+        self.executor, self.model_dir = model.executor, model.model_dir
+        spec = self.executor.kv_cache_spec()
+        self.vocab_size = spec.vocab_size
+        self.eos_token_ids = read_eos_token_ids(model.model_dir)
+        settings = config["scheduler"].settings
+        # A sequence never outgrows the pool, so a request alone always fits.
+        self.max_model_len = min(model.max_model_len, model.num_pages * model.page_size)
+        if not settings.enable_chunked_prefill and (
+            settings.max_num_batched_tokens < self.max_model_len
+        ):
+            raise ConfigError(
+                f"{config.source} [scheduler]: with enable_chunked_prefill = false, "
+                f"max_num_batched_tokens ({settings.max_num_batched_tokens}) must be at least "
+                f"max_model_len ({self.max_model_len})"
+            )
+        kv_settings = config["kv"].settings
+        self.kv: KVManager = registry.get("kv", config.plugin("kv")).factory(
+            KVPoolParams(model.num_pages, model.page_size, kv_settings.enable_prefix_caching),
+            config["kv"].options,
+        )
+        self.scheduler: Scheduler = registry.get("scheduler", config.plugin("scheduler")).factory(
+            SchedulerParams(
+                max_num_seqs=settings.max_num_seqs,
+                max_num_batched_tokens=settings.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                enable_chunked_prefill=settings.enable_chunked_prefill,
+            ),
+            self.kv,
+            config["scheduler"].options,
+        )
+        self.device = torch.device(getattr(self.executor, "device", "cpu"))
+        self.sampler: Sampler = registry.get("sampler", config.plugin("sampler")).factory(
+            SamplerParams(settings.max_num_seqs, self.vocab_size, str(self.device)),
+            config["sampler"].options,
+        )
+        self.processors: list[LogitsProcessor] = list(self.sampler.logits_processors())
+        self.batch = PersistentBatch(
+            settings.max_num_seqs,
+            self.max_model_len,
+            model.page_size,
+            settings.max_num_batched_tokens,
+        )
+        self.requests: dict[str, Request] = {}
+        self._generators: dict[str, torch.Generator] = {}
+        self.num_steps = 0
+        torch.manual_seed(config["model"].settings.seed)
+        if self.hook is not None:
+            self.hook.brigade_engine_started(components=config.components)
+
+    # -- requests -----------------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raise ``RequestError`` if the engine cannot serve this request."""
+        if not prompt_token_ids:
+            raise RequestError("the prompt is empty")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(
+                f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise RequestError(
+                f"the prompt has {len(prompt_token_ids)} tokens; this engine serves at most "
+                f"{self.max_model_len - 1} prompt tokens (max_model_len {self.max_model_len})"
+            )
+        for name, ids in (
+            ("logit_bias", params.logit_bias or {}),
+            ("stop_token_ids", params.stop_token_ids),
+        ):
+            outside = [t for t in ids if not 0 <= int(t) < self.vocab_size]
+            if outside:
+                raise RequestError(f"{name} token id {outside[0]} is outside the vocabulary")
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+    ) -> Request:
+        """Validate and queue a request; it runs from the next step on."""
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in the engine")
+        self.validate(prompt_token_ids, params)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=params,
+            eos_token_ids=self.eos_token_ids,
+            arrival_time=time.monotonic(),
+            priority=priority,
+        )
+        if params.seed is not None:
+            generator = torch.Generator(self.device)
+            generator.manual_seed(params.seed)
+            self._generators[request_id] = generator
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+        return request
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Stop a request wherever it is and free its pages; None if it is not here."""
+        request = self.scheduler.abort(request_id)
+        if request is None:
+            return None
+        self._leave(request)
+        return request
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step -----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list[StepUpdate]:
+        """Run one engine step; returns an update per request that got a token or finished."""
+        output = self.scheduler.schedule()
+        for request in output.preempted:
+            if request in self.batch:
+                self._release_row(request)
+        if output.is_empty:
+            return []
+        for item in output.scheduled:
+            if item.request not in self.batch:
+                self._take_row(item.request)
+        plan = self.batch.prepare(output.scheduled, self.kv)
+        logits = self.executor.execute(plan.model_input)
+        self.num_steps += 1
+        updates: list[StepUpdate] = []
+        finished: list[Request] = []
+        if plan.sampled:
+            tokens, logprobs = self._sample(logits, plan.sampled_rows)
+            positions = [request.num_tokens for request in plan.sampled]
+            self.batch.append_tokens(plan.sampled_rows, positions, tokens)
+            for processor in self.processors:
+                if processor.needs_tokens:
+                    processor.accept_batch(plan.sampled_rows, tokens)
+            for index, (request, token) in enumerate(zip(plan.sampled, tokens, strict=True)):
+                request.output_token_ids.append(token)
+                status = self._finish_status(request, token)
+                if status is not None:
+                    request.status = status
+                    finished.append(request)
+                row_logprobs = None if logprobs is None else [logprobs[index]]
+                updates.append(StepUpdate(request, [token], row_logprobs, status is not None))
+        self.scheduler.update(output, finished)
+        for item in output.scheduled:
+            self.kv.commit(item.request)
+        for request in finished:
+            self.kv.free(request)
+            self._leave(request)
+        return updates
+
+    def _sample(self, logits: torch.Tensor, rows: list[int]) -> tuple[list[int], Any]:
+        batch = self.batch.sampling_batch(rows, self.device)
+        for processor in self.processors:
+            if processor.is_active:
+                logits = processor.apply(logits, batch.rows)
+        result = self.sampler.sample(logits, batch)
+        tokens: list[int] = result.token_ids.tolist()  # the step's one device-to-host sync
+        if result.logprobs is None or result.logprob_token_ids is None:
+            return tokens, None
+        values, ids = result.logprobs.tolist(), result.logprob_token_ids.tolist()
+        logprobs = []
+        for index, row in enumerate(rows):
+            wanted = self.batch.num_logprobs[row]
+            top = tuple(zip(ids[index][1 : 1 + wanted], values[index][1 : 1 + wanted], strict=True))
+            logprobs.append(
+                TokenLogprob(ids[index][0], values[index][0], top) if wanted >= 0 else None
+            )
+        return tokens, logprobs
+
+    def _finish_status(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens > params.min_tokens:  # min_tokens: no stop before
+            if token in params.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if not params.ignore_eos and token in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _take_row(self, request: Request) -> None:
+        row = self.batch.assign(request, self._generators.get(request.request_id))
+        for processor in self.processors:
+            processor.add(row, request)
+
+    def _release_row(self, request: Request) -> None:
+        row = self.batch.release(request)
+        for processor in self.processors:
+            processor.remove(row)
+
+    def _leave(self, request: Request) -> None:
+        """A request is done (finished or aborted): forget it everywhere."""
+        if request in self.batch:
+            self._release_row(request)
+        self.requests.pop(request.request_id, None)
+        self._generators.pop(request.request_id, None)
+        if self.hook is not None:
+            self.hook.brigade_request_finished(request=request)

@@ -1,0 +1,180 @@
+"""The persistent batch: one row per running request, kept in place across steps.
+
+Token ids, block tables and sampling parameters live in preallocated host tensors indexed by
+row. A step writes only what changed (joins, leaves, new tokens, new pages) and builds the
+executor's :class:`ModelInput` and the sampler's :class:`SamplingBatch` with a few
+vectorised gathers, so per-step Python work is proportional to the scheduled requests, not to
+the tokens they hold.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+from brigade.interfaces import (
+    KVManager,
+    ModelInput,
+    Request,
+    SamplingBatch,
+    ScheduledRequest,
+)
+
+__all__ = ["PersistentBatch", "StepPlan"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepPlan:
+    """A step's executor input plus which requests get a token sampled."""
+
+    model_input: ModelInput
+    sampled: tuple[Request, ...]
+    """Requests whose last known token is computed this step, in logits-row order."""
+    sampled_rows: list[int]
+    """Their persistent rows."""
+
+
+class PersistentBatch:
+    """Rows of running requests and the host buffers a step is built from."""
+
+    def __init__(
+        self, max_num_seqs: int, max_model_len: int, page_size: int, max_num_tokens: int
+    ) -> None:
+        self.page_size = page_size
+        self.max_pages = -(-max_model_len // page_size)
+        self.token_ids = torch.zeros(max_num_seqs, max_model_len, dtype=torch.int64)
+        self.block_tables = torch.zeros(max_num_seqs, self.max_pages, dtype=torch.int32)
+        self.num_pages = [0] * max_num_seqs
+        """Pages of each row already written to ``block_tables``."""
+        self.temperature = torch.zeros(max_num_seqs, dtype=torch.float32)
+        self.top_k = torch.zeros(max_num_seqs, dtype=torch.int64)
+        self.top_p = torch.ones(max_num_seqs, dtype=torch.float32)
+        self.min_p = torch.zeros(max_num_seqs, dtype=torch.float32)
+        self.num_logprobs = [-1] * max_num_seqs
+        self.generators: dict[int, torch.Generator] = {}
+        self.rows: dict[str, int] = {}
+        self._free_rows = list(range(max_num_seqs - 1, -1, -1))
+        self._arange = torch.arange(max(max_num_tokens, max_model_len), dtype=torch.int64)
+
+    def __contains__(self, request: Request) -> bool:
+        return request.request_id in self.rows
+
+    def assign(self, request: Request, generator: torch.Generator | None) -> int:
+        """Give ``request`` a row and write its tokens and sampling parameters into it."""
+        row = self._free_rows.pop()
+        self.rows[request.request_id] = row
+        tokens = request.all_token_ids
+        self.token_ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+        self.num_pages[row] = 0
+        params = request.sampling_params
+        self.temperature[row] = params.temperature
+        self.top_k[row] = params.top_k
+        self.top_p[row] = params.top_p
+        self.min_p[row] = params.min_p
+        self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
+        if generator is not None:
+            self.generators[row] = generator
+        return row
+
+    def release(self, request: Request) -> int:
+        """Free the request's row; returns it."""
+        row = self.rows.pop(request.request_id)
+        self.generators.pop(row, None)
+        self._free_rows.append(row)
+        return row
+
+    def append_tokens(
+        self, rows: Sequence[int], positions: Sequence[int], tokens: list[int]
+    ) -> None:
+        """Record one sampled token per row at its position (one vectorised write)."""
+        self.token_ids[list(rows), list(positions)] = torch.tensor(tokens, dtype=torch.int64)
+
+    def prepare(self, scheduled: Sequence[ScheduledRequest], kv: KVManager) -> StepPlan:
+        """Build the step's ModelInput; rows with a decode come first (scheduler order)."""
+        rows, computed, counts = [], [], []
+        sampled: list[Request] = []
+        sampled_rows: list[int] = []
+        logits_rows: list[int] = []
+        num_decodes, token_offset = 0, 0
+        for item in scheduled:
+            request, num_new = item.request, item.num_new_tokens
+            row = self.rows[request.request_id]
+            self._sync_pages(row, kv.block_table(request))
+            rows.append(row)
+            computed.append(request.num_computed_tokens)
+            counts.append(num_new)
+            if num_new == 1 and request.num_computed_tokens > 0:
+                num_decodes += 1
+            token_offset += num_new
+            if request.num_computed_tokens + num_new == request.num_tokens:
+                sampled.append(request)
+                sampled_rows.append(row)
+                logits_rows.append(token_offset - 1)
+        row_index = torch.tensor(rows, dtype=torch.int64)
+        num_computed = torch.tensor(computed, dtype=torch.int64)
+        query_lens = torch.tensor(counts, dtype=torch.int64)
+        seq_lens = num_computed + query_lens
+        query_start_loc = torch.zeros(len(rows) + 1, dtype=torch.int32)
+        torch.cumsum(query_lens, dim=0, out=query_start_loc[1:])
+        num_tokens = token_offset
+        # positions: for each token, its row's computed count plus its offset in the chunk
+        token_rows = torch.repeat_interleave(torch.arange(len(rows)), query_lens)  # [T]
+        starts = query_start_loc[:-1].to(torch.int64)
+        positions = self._arange[:num_tokens] - (starts - num_computed)[token_rows]  # [T]
+        persistent_rows = row_index[token_rows]  # [T]
+        input_ids = self.token_ids[persistent_rows, positions]  # [T]
+        max_pages = int(-(-int(seq_lens.max()) // self.page_size))
+        block_tables = self.block_tables[row_index, :max_pages]  # [B, P]
+        pages = block_tables[token_rows, positions // self.page_size].to(torch.int64)  # [T]
+        slot_mapping = pages * self.page_size + positions % self.page_size  # [T]
+        seq_lens_i32 = seq_lens.to(torch.int32)
+        model_input = ModelInput(
+            input_ids=input_ids,
+            positions=positions,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens_i32,
+            block_tables=block_tables,
+            slot_mapping=slot_mapping,
+            logits_indices=torch.tensor(logits_rows, dtype=torch.int64),
+            query_start_loc_cpu=query_start_loc,
+            seq_lens_cpu=seq_lens_i32,
+            num_decodes=num_decodes,
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+            page_size=self.page_size,
+        )
+        return StepPlan(model_input, tuple(sampled), sampled_rows)
+
+    def sampling_batch(self, rows: list[int], device: torch.device) -> SamplingBatch:
+        """Gather the sampled rows' parameters (host flags, device tensors)."""
+        index = torch.tensor(rows, dtype=torch.int64)
+        temperature = self.temperature[index]
+        top_k = self.top_k[index]
+        top_p = self.top_p[index]
+        min_p = self.min_p[index]
+        generators = {
+            i: self.generators[row] for i, row in enumerate(rows) if row in self.generators
+        }
+        max_logprobs = max(self.num_logprobs[row] for row in rows)
+        return SamplingBatch(
+            rows=index.to(device),
+            temperature=temperature.to(device),
+            top_k=top_k.to(device),
+            top_p=top_p.to(device),
+            min_p=min_p.to(device),
+            generators=generators,
+            all_greedy=bool((temperature == 0).all()),
+            any_top_k=bool((top_k > 0).any()),
+            any_top_p=bool((top_p < 1).any()),
+            any_min_p=bool((min_p > 0).any()),
+            max_num_logprobs=None if max_logprobs < 0 else max_logprobs,
+        )
+
+    def _sync_pages(self, row: int, block_table: Sequence[int]) -> None:
+        known = self.num_pages[row]
+        if len(block_table) > known:
+            new = torch.tensor(block_table[known:], dtype=torch.int32)
+            self.block_tables[row, known : len(block_table)] = new
+            self.num_pages[row] = len(block_table)
