@@ -53,9 +53,10 @@ class AttentionBackend(abc.ABC):
     The KV pool is, per layer, a K and a V tensor shaped by :meth:`kv_cache_shape` (by
     default ``[num_pages, page_size, num_kv_heads, head_dim]``). The executor allocates them;
     the backend writes the step's new K/V into them (at ``slot_mapping``) and reads a request's
-    context through its block table. A backend never allocates or frees pages. Slots no
-    request has written hold arbitrary bits (NaN included): a backend may read them only if
-    they cannot reach the result (masked loads, or pointing masked keys at written slots).
+    context through its block table. A backend never allocates or frees pages. Every slot of
+    a page in a request's block table holds finite values (the executor zeroes a page before
+    its first use; afterwards it holds stale K/V of earlier requests), so a backend may read
+    whole pages and mask what lies past the request's length.
 
     Lifecycle per step: the executor calls :meth:`build_metadata` once, then
     :meth:`forward` once per layer with the same metadata object.

@@ -22,6 +22,7 @@ from brigade.model_input import SeqChunk, build_model_input
 from brigade.plugins.attention.sdpa import SdpaBackend
 from brigade.plugins.executors.torch_executor import TorchExecutor, TorchExecutorOptions
 from brigade.plugins.models.rope import parse_rope_config, rope_cos_sin
+from brigade.testing.parity import assert_greedy_match
 
 ATOL = 3e-5
 """fp32 logits (|logit| up to ~7): brigade vs transformers eager. Measured max difference
@@ -262,15 +263,11 @@ def test_greedy_generation_matches_transformers(model_pair: Any) -> None:
         )
         theirs = generated.sequences[0, len(prompt) :].tolist()
         assert len(set(theirs)) >= 4, f"uninformative continuation {theirs}"
-        for step, (mine, ref) in enumerate(zip(tokens, theirs, strict=True)):
-            if mine != ref:  # allowed only at a near-tie in transformers' own logits
-                step_logits = generated.logits[step][0].float()
-                gap = float(step_logits[ref] - step_logits[mine])
-                assert gap <= ATOL, (
-                    f"step {step}: brigade chose {mine}, transformers {ref}; "
-                    f"reference logit gap {gap:.3g} > {ATOL}"
-                )
-                break
+
+        def score(step: int, token: int, logits: tuple = generated.logits) -> float:
+            return float(logits[step][0, token])
+
+        assert_greedy_match(tokens, theirs, score, atol=ATOL)
 
 
 def test_rope_parameters_form_matches_rope_scaling_form() -> None:

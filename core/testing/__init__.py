@@ -1,7 +1,8 @@
 """Brigade's conformance kit: reusable checks any plugin author can run against a component.
 
-- :mod:`brigade.testing.conformance` — pytest suites per contract, parametrized over every
-  registered implementation (``pytest --pyargs brigade.testing.conformance``).
+- :mod:`brigade.testing.conformance` — ``check_*`` functions per contract; Brigade's own test suite
+  runs them over every registered implementation.
 - :mod:`brigade.testing.attention` — a naive attention reference and random ragged cases.
-- :mod:`brigade.testing.reference` — a minimal greedy decoding loop over any executor.
+- :mod:`brigade.testing.parity` — tie-aware comparison of greedy token streams.
+- :mod:`brigade.testing.requests` — requests for scheduler and KV tests, no model needed.
 """

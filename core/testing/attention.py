@@ -39,8 +39,8 @@ class AttentionCase:
     """[T, num_kv_heads, head_dim] values of the new tokens."""
     kv_cache: tuple[torch.Tensor, torch.Tensor]
     """K and V pools [num_pages, page_size, num_kv_heads, head_dim] holding the cached
-    context of every row; every slot no row owns holds NaN, which a backend must never let
-    reach its output."""
+    context of every row; every slot no row owns holds large finite values (stale K/V), which
+    a backend must mask out."""
     dense_keys: tuple[torch.Tensor, ...]
     """Per row: [seq_len, num_kv_heads, head_dim] keys of the whole context, new ones last."""
     dense_values: tuple[torch.Tensor, ...]
@@ -87,8 +87,7 @@ def random_attention_case(
         return (torch.randn(*shape, generator=generator) * scale).to(dtype)
 
     pool_shape = (num_pages, page_size, num_kv_heads, head_dim)
-    key_pool = torch.full(pool_shape, float("nan"), dtype=dtype)
-    value_pool = torch.full(pool_shape, float("nan"), dtype=dtype)
+    key_pool, value_pool = randn(*pool_shape, scale=100.0), randn(*pool_shape, scale=100.0)
     dense_keys = [randn(s, num_kv_heads, head_dim) for s in seq_lens]
     dense_values = [randn(s, num_kv_heads, head_dim) for s in seq_lens]
     for row, (table, computed) in enumerate(zip(tables, num_computed, strict=True)):

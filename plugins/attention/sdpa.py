@@ -22,10 +22,12 @@ __all__ = ["SdpaBackend", "SdpaMetadata"]
 class _DecodeView:
     """What every layer with one sliding window reads for the decode rows."""
 
-    slots: torch.Tensor
-    """[num_decodes, num_keys] int64 flat cache slot of each key (0 where masked)."""
+    pages: torch.Tensor
+    """[num_decodes * pages_per_row] int64 page ids to gather, row-major (whole pages are
+    copied, which is far cheaper than gathering single slots)."""
+    pages_per_row: int
     mask: torch.Tensor
-    """[num_decodes, 1, 1, num_keys] bool, True where the query attends."""
+    """[num_decodes, 1, 1, pages_per_row * page_size] bool, True where the query attends."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -85,14 +87,30 @@ class SdpaMetadata:
 
     def _build_decode_view(self, window: int | None) -> _DecodeView:
         device = self.seq_lens.device
+        page_size = self.page_size
         seq_lens = self.seq_lens[: self.num_decodes]  # [num_decodes]
-        num_keys = self.max_decode_len if window is None else min(window, self.max_decode_len)
-        first_key = (seq_lens - num_keys).clamp(min=0)  # [num_decodes]
-        key_positions = first_key[:, None] + torch.arange(num_keys, device=device)  # [D, K]
-        valid = key_positions < seq_lens[:, None]  # [num_decodes, num_keys]
-        key_positions = torch.where(valid, key_positions, 0)
+        max_pages = -(-self.max_decode_len // page_size)
+        if window is None:
+            pages_per_row = max_pages
+            first_page = torch.zeros_like(seq_lens)  # [num_decodes]
+        else:
+            # The window's keys span at most this many pages, wherever it starts in a page.
+            pages_per_row = min(max_pages, -(-(window - 1) // page_size) + 1)
+            first_key = (seq_lens - window).clamp(min=0)  # [num_decodes]
+            first_page = (first_key // page_size).clamp(max=max_pages - pages_per_row)
+        page_index = first_page[:, None] + torch.arange(pages_per_row, device=device)  # [D, P]
         rows = torch.arange(self.num_decodes, device=device)[:, None]  # [num_decodes, 1]
-        return _DecodeView(self._slots(rows, key_positions), valid[:, None, None, :])
+        pages = self.block_tables[rows, page_index]  # [num_decodes, pages_per_row]
+        positions = first_page[:, None] * page_size + torch.arange(
+            pages_per_row * page_size, device=device
+        )  # [num_decodes, pages_per_row * page_size]
+        valid = positions < seq_lens[:, None]
+        if window is not None:
+            valid &= positions >= (seq_lens - window)[:, None]
+        # Table entries past a row's pages may be stale; point them at its first page so the
+        # gather stays in bounds (masked anyway).
+        pages = torch.where(page_index * page_size < seq_lens[:, None], pages, pages[:, :1])
+        return _DecodeView(pages.reshape(-1), pages_per_row, valid[:, None, None, :])
 
     def _build_prefill_row(
         self,
@@ -166,7 +184,7 @@ class SdpaBackend(AttentionBackend):
         if meta.num_decodes:
             view = meta.decode_view(layer.sliding_window)
             output[: meta.num_decodes] = _decode(
-                layer, query[: meta.num_decodes], key_cache, value_cache, view
+                layer, query[: meta.num_decodes], kv_cache[0], kv_cache[1], view
             )
         for row in meta.prefill_view(layer.sliding_window):
             output[row.query_start : row.query_end] = _prefill(
@@ -182,13 +200,23 @@ def _decode(
     value_cache: torch.Tensor,
     view: _DecodeView,
 ) -> torch.Tensor:
-    """All decode rows at once: query [num_decodes, num_heads, head_dim] -> same shape."""
+    """All decode rows at once: query [num_decodes, num_heads, head_dim] -> same shape.
+
+    ``key_cache``/``value_cache`` are the paged pools [num_pages, page_size, kv_heads, hd].
+    """
     num_decodes = query.shape[0]
     group = layer.num_heads // layer.num_kv_heads
     # Query heads of one KV head become that KV head's "query length".
     q = query.reshape(num_decodes, layer.num_kv_heads, group, layer.head_dim)  # [D, kvh, G, hd]
-    k = key_cache[view.slots].transpose(1, 2).to(query.dtype)  # [D, kvh, keys, hd]
-    v = value_cache[view.slots].transpose(1, 2).to(query.dtype)  # [D, kvh, keys, hd]
+    # Whole pages are gathered (masked slots hold finite values: pages are zeroed before
+    # their first use), then [D, pages * page_size, kvh, hd] -> [D, kvh, keys, hd].
+    k, v = (
+        cache.index_select(0, view.pages)
+        .view(num_decodes, -1, *cache.shape[2:])
+        .transpose(1, 2)
+        .to(query.dtype)
+        for cache in (key_cache, value_cache)
+    )
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=view.mask, scale=layer.scale)
     return out.reshape(num_decodes, layer.num_heads, layer.head_dim)  # [D, heads, hd]
 

@@ -107,6 +107,8 @@ class TorchExecutor(Executor):
         if isinstance(self.model, torch.nn.Module):
             self.model.eval()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._unzeroed: torch.Tensor | None = None
+        """CPU pools: [num_pages] bool, True for pages not yet zeroed."""
 
     def _layer_shape(self, num_pages: int, index: int) -> tuple[int, ...]:
         layer = self.model.attention_layers[index]
@@ -131,20 +133,26 @@ class TorchExecutor(Executor):
         )
 
     def initialize_kv_cache(self, num_pages: int) -> None:
-        """K and V per layer, uninitialised: the attention contract forbids reading unwritten
-        slots into a result, and on CPU untouched pages then cost no memory until used."""
+        """K and V per layer; every page is zero before its first use (attention contract).
+
+        On CUDA the pool is zeroed at once. On the CPU zeroing a large pool would cost
+        seconds and commit all its memory, so pages are zeroed when a step first writes them.
+        """
         if self.kv_caches:
             raise RuntimeError("initialize_kv_cache was already called; it allocates once")
         if num_pages < 1:
             raise ValueError(f"num_pages must be at least 1, got {num_pages}")
+        lazy = self.device.type == "cpu"
+        allocate = torch.empty if lazy else torch.zeros
         for index in range(len(self.model.attention_layers)):
             shape = self._layer_shape(num_pages, index)
             self.kv_caches.append(
                 (
-                    torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device),
-                    torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device),
+                    allocate(shape, dtype=self.kv_cache_dtype, device=self.device),
+                    allocate(shape, dtype=self.kv_cache_dtype, device=self.device),
                 )
             )
+        self._unzeroed = torch.ones(num_pages, dtype=torch.bool) if lazy else None
 
     def execute(self, batch: ModelInput) -> torch.Tensor:
         """Float32 logits [len(batch.logits_indices), vocab_size], on this executor's device."""
@@ -155,6 +163,8 @@ class TorchExecutor(Executor):
                 f"batch page_size {batch.page_size} differs from the KV pool's "
                 f"{self.params.page_size}"
             )
+        if self._unzeroed is not None:
+            self._zero_fresh_pages(self._unzeroed, batch.slot_mapping // batch.page_size)
         batch = model_input_to(batch, self.device, non_blocking=True)
         metadata = self.attention.build_metadata(batch)
         with torch.inference_mode():
@@ -162,6 +172,16 @@ class TorchExecutor(Executor):
                 batch.input_ids, batch.positions, self.kv_caches, metadata
             )  # [T, hidden_size]
             return self.model.compute_logits(hidden[batch.logits_indices]).float()
+
+    def _zero_fresh_pages(self, unzeroed: torch.Tensor, pages: torch.Tensor) -> None:
+        """Zero the pages among ``pages`` (host tensor) that no step has touched yet."""
+        pages = torch.unique(pages)
+        fresh = pages[unzeroed[pages]]
+        if fresh.numel():
+            for key_cache, value_cache in self.kv_caches:
+                key_cache.index_fill_(0, fresh, 0)
+                value_cache.index_fill_(0, fresh, 0)
+            unzeroed[fresh] = False
 
     def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None:
         """Copy page ``src[i]`` onto ``dst[i]`` in every layer's K and V."""
@@ -171,6 +191,8 @@ class TorchExecutor(Executor):
             return
         source = torch.tensor(list(src), dtype=torch.int64, device=self.device)
         target = torch.tensor(list(dst), dtype=torch.int64, device=self.device)
+        if self._unzeroed is not None:
+            self._unzeroed[target.cpu()] = False  # whole pages are overwritten
         with torch.inference_mode():
             for key_cache, value_cache in self.kv_caches:
                 key_cache.index_copy_(0, target, key_cache.index_select(0, source))
