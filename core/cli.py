@@ -65,6 +65,13 @@ def _build_parser() -> argparse.ArgumentParser:
     create.add_argument("--tie-word-embeddings", action="store_true")
     create.set_defaults(handler=_cmd_model_create)
 
+    serve = commands.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    serve.add_argument("--config", help="TOML config (omit for the defaults)")
+    serve.add_argument("--host", help="overrides [server] host")
+    serve.add_argument("--port", type=int, help="overrides [server] port")
+    _add_override_flag(serve)
+    serve.set_defaults(handler=_cmd_serve)
+
     generate = commands.add_parser("generate", help="generate offline (greedy by default)")
     generate.add_argument("--config", help="TOML config (omit for the defaults)")
     _add_override_flag(generate)
@@ -173,6 +180,17 @@ def _cmd_model_create(args: argparse.Namespace) -> int:
         raise BrigadeError(str(exc)) from exc
     print(f"wrote {args.arch} ({args.size}) to {out}")
     return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from brigade.server.serve import serve
+
+    overrides = list(args.set)
+    if args.host is not None:
+        overrides.append(f"server.host={json.dumps(args.host)}")
+    if args.port is not None:
+        overrides.append(f"server.port={args.port}")
+    return serve(args.config, overrides)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:

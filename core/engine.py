@@ -247,6 +247,8 @@ class EngineCore:
         return None
 
     def _take_row(self, request: Request) -> None:
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
         row = self.batch.assign(request, self._generators.get(request.request_id))
         for processor in self.processors:
             processor.add(row, request)

@@ -6,7 +6,15 @@ import dataclasses
 
 from brigade.interfaces import option
 
-__all__ = ["STATIONS", "KVSettings", "ModelSettings", "NoSettings", "SchedulerSettings", "Station"]
+__all__ = [
+    "STATIONS",
+    "KVSettings",
+    "ModelSettings",
+    "NoSettings",
+    "SchedulerSettings",
+    "ServerSettings",
+    "Station",
+]
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -48,6 +56,25 @@ class SchedulerSettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class ServerSettings:
+    host: str = option("127.0.0.1", help="address to listen on")
+    port: int = option(8000, help="TCP port", ge=0, le=65535)
+    api_keys: tuple[str, ...] = option((), help="accepted bearer tokens; empty = no authentication")
+    served_model_name: str = option("", help="model id clients use; '' = the directory name")
+    max_request_bytes: int = option(1 << 20, help="largest request body accepted", ge=1024)
+    max_waiting_requests: int = option(
+        256, help="requests waiting for their first token before new ones get 503", ge=1
+    )
+    requests_per_minute: int = option(0, help="per API key (or client); 0 = no limit", ge=0)
+    tokens_per_minute: int = option(
+        0, help="prompt + max tokens per API key (or client); 0 = no limit", ge=0
+    )
+    shutdown_timeout_s: float = option(
+        30.0, help="on SIGTERM, how long running requests may take to finish", ge=0
+    )
+
+
+@dataclasses.dataclass(frozen=True)
 class NoSettings:
     """A station whose table holds only its plugin's options."""
 
@@ -71,6 +98,7 @@ STATIONS: dict[str, Station] = {
         Station("attention", "attention", "sdpa", NoSettings),
         Station("sampler", "sampler", "standard", NoSettings),
         Station("detokenizer", "detokenizer", "incremental", NoSettings),
+        Station("server", None, None, ServerSettings),
     )
 }
 """Every table a config may contain, in the order a step visits them."""

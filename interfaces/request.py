@@ -53,6 +53,8 @@ class Request:
     num_cached_tokens: int = 0
     """Tokens served from the prefix cache at the latest admission."""
     num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    """``time.monotonic()`` when the request first got a batch row (queue time ends)."""
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,0 +1,355 @@
+"""The OpenAI wire protocol, request side: msgspec structs, body decoding, SamplingParams.
+
+Unknown fields are ignored, as OpenAI does. Known fields that would change what is generated
+but that Brigade does not implement (``tools``, ``response_format``, ``best_of``, ``echo``,
+``suffix``, image or audio content, ...) are rejected with a 400 naming the field, rather than
+silently ignored. Every check raises ``ProtocolError`` with ``param`` set to the field's path
+(``max_tokens``, ``messages[0].content``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Annotated, Any, TypeVar
+
+import msgspec
+
+from brigade.interfaces import SamplingParams
+from brigade.server.errors import ErrorResponse, ProtocolError
+
+__all__ = [
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "CompletionRequest",
+    "ContentPart",
+    "DetokenizeRequest",
+    "ErrorResponse",
+    "StreamOptions",
+    "TokenizeRequest",
+    "decode_json",
+    "sampling_params",
+    "template_messages",
+]
+
+T = TypeVar("T")
+TokenId = Annotated[int, msgspec.Meta(ge=0)]
+Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+"""A 64-bit seed, as OpenAI's; torch generators take no more (choice i of n uses seed + i)."""
+MAX_N = 128
+"""Most choices per prompt (OpenAI's limit), so one request cannot flood the engine."""
+ROLES = ("system", "developer", "user", "assistant")
+"""Message roles we accept; tool and function messages need tool calling (not supported)."""
+
+
+class StreamOptions(msgspec.Struct, omit_defaults=True):
+    """``stream_options`` of a streaming request."""
+
+    include_usage: bool = False
+    """Send a last chunk with ``usage`` and no choices before ``data: [DONE]``."""
+
+
+class ContentPart(msgspec.Struct):
+    """One part of a message's content; only ``{"type": "text", "text": ...}`` is supported."""
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct, omit_defaults=True):
+    """One message of a conversation; checked by the request that holds it."""
+
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: Any = None
+    """Accepted only when empty: tool calling is not supported."""
+
+    def text(self) -> str:
+        """The content as one string (text parts joined by newlines, as vLLM does)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text or "" for part in self.content)
+
+
+class _SamplingFields(msgspec.Struct, kw_only=True):
+    """Sampling fields shared by both generation endpoints; None means the OpenAI default."""
+
+    model: str | None = None
+    """None means the served model."""
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    """vLLM extension; -1 and 0 both disable it."""
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    seed: Seed | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    n: Annotated[int, msgspec.Meta(le=MAX_N)] | None = None
+    """Choices per prompt (null means 1)."""
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    priority: int = 0
+    user: str | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    response_format: Any = None
+
+    def _check_common(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise ProtocolError(
+                "stream_options is only allowed when stream is true.", param="stream_options"
+            )
+        if self.response_format is not None and _format_type(self.response_format) != "text":
+            _unsupported("response_format", "structured output (json_object / json_schema)")
+
+
+class ChatCompletionRequest(_SamplingFields, kw_only=True):
+    """Body of ``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    """Takes precedence over ``max_tokens`` (which OpenAI deprecated for chat)."""
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: list[str] | None = None
+    web_search_options: Any = None
+
+    def __post_init__(self) -> None:
+        self._check_common()
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                _unsupported(name, "tool calling")
+        for name in ("tool_choice", "function_call"):
+            if getattr(self, name) not in (None, "none"):
+                _unsupported(name, "tool calling")
+        if self.audio is not None or (self.modalities and self.modalities != ["text"]):
+            _unsupported("audio" if self.audio is not None else "modalities", "audio output")
+        if self.web_search_options is not None:
+            _unsupported("web_search_options", "web search")
+        _check_messages(self.messages)
+
+
+class CompletionRequest(_SamplingFields, kw_only=True):
+    """Body of ``POST /v1/completions``; ``prompt`` is text, token ids, or a batch of either."""
+
+    prompt: str | list[str | TokenId | list[TokenId]]
+    max_tokens: int | None = 16
+    """OpenAI's default for completions is 16; an explicit null means "as many as fit"."""
+    logprobs: Annotated[int, msgspec.Meta(ge=0, le=5)] | None = None
+    best_of: int | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+
+    def __post_init__(self) -> None:
+        self._check_common()
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            _unsupported("best_of", "best_of other than n")
+        if self.echo:
+            _unsupported("echo", "echoing the prompt")
+        if self.suffix:
+            _unsupported("suffix", "insertion (suffix)")
+        self.prompts()  # validates the shape
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts as a list: each one a string or a list of token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise ProtocolError("prompt must not be an empty list.", param="prompt")
+        if all(isinstance(item, int) for item in prompt):
+            return [list(prompt)]  # type: ignore[arg-type]
+        if all(isinstance(item, str) for item in prompt):
+            return list(prompt)  # type: ignore[arg-type]
+        if all(isinstance(item, list) for item in prompt):
+            for index, ids in enumerate(prompt):
+                if not ids:
+                    raise ProtocolError("a prompt must not be empty.", param=f"prompt[{index}]")
+            return list(prompt)  # type: ignore[arg-type]
+        raise ProtocolError(
+            "prompt must be a string, a list of strings, a list of token ids or a list of "
+            "token-id lists; it mixes those.",
+            param="prompt",
+        )
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Body of ``POST /tokenize`` (vLLM's shape): exactly one of ``prompt`` or ``messages``."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    """Default: true for ``prompt``, false for ``messages`` (the template adds them)."""
+    add_generation_prompt: bool = True
+    """With ``messages``: end with the assistant turn's opening, as chat completions do."""
+
+    def __post_init__(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ProtocolError("give exactly one of prompt or messages.", param="prompt")
+        if self.messages is not None:
+            _check_messages(self.messages)
+
+    @property
+    def adds_special_tokens(self) -> bool:
+        """Whether the tokenizer adds its special tokens (BOS, ...)."""
+        if self.add_special_tokens is not None:
+            return self.add_special_tokens
+        return self.prompt is not None
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Body of ``POST /detokenize``."""
+
+    tokens: list[TokenId]
+    model: str | None = None
+
+
+def template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
+    """Messages as the plain dicts a chat template reads: role, content and name if given.
+
+    A ``developer`` message becomes a ``system`` one: OpenAI's new name for the same turn,
+    which chat templates do not know.
+    """
+    out = []
+    for message in messages:
+        role = "system" if message.role == "developer" else message.role
+        item = {"role": role, "content": message.text()}
+        if message.name is not None:
+            item["name"] = message.name
+        out.append(item)
+    return out
+
+
+def decode_json(body: bytes, type_: type[T]) -> T:
+    """Decode and validate a request body; every failure is a ``ProtocolError`` (400).
+
+    ``param`` is the path of the offending field (``max_tokens``, ``messages[0].role``), or
+    None when the body is not JSON or not an object.
+    """
+    try:
+        return msgspec.json.decode(body, type=type_)
+    except msgspec.DecodeError as exc:
+        raise ProtocolError.from_decode_error(exc) from None
+
+
+def sampling_params(
+    request: ChatCompletionRequest | CompletionRequest, *, default_max_tokens: int
+) -> SamplingParams:
+    """Map a generation request to ``SamplingParams`` (OpenAI defaults where a field is unset).
+
+    ``default_max_tokens`` applies when the request sets neither ``max_completion_tokens`` nor
+    ``max_tokens`` (the server passes what fits in the context after the prompt).
+    """
+    max_tokens_field = "max_tokens"
+    max_tokens = request.max_tokens
+    if isinstance(request, ChatCompletionRequest):
+        logprobs_field = "top_logprobs"
+        if request.max_completion_tokens is not None:
+            max_tokens_field, max_tokens = "max_completion_tokens", request.max_completion_tokens
+        if request.top_logprobs and not request.logprobs:
+            raise ProtocolError("top_logprobs requires logprobs: true.", param="top_logprobs")
+        num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    else:
+        logprobs_field, num_logprobs = "logprobs", request.logprobs
+    stop = request.stop
+    try:
+        return SamplingParams(
+            max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+            temperature=_default(request.temperature, 1.0),
+            top_p=_default(request.top_p, 1.0),
+            top_k=0 if request.top_k is None or request.top_k == -1 else request.top_k,
+            min_p=_default(request.min_p, 0.0),
+            presence_penalty=_default(request.presence_penalty, 0.0),
+            frequency_penalty=_default(request.frequency_penalty, 0.0),
+            repetition_penalty=_default(request.repetition_penalty, 1.0),
+            logit_bias=_logit_bias(request.logit_bias),
+            seed=request.seed,
+            stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
+            stop_token_ids=tuple(request.stop_token_ids or ()),
+            ignore_eos=request.ignore_eos,
+            min_tokens=request.min_tokens,
+            logprobs=num_logprobs,
+            include_stop_str_in_output=request.include_stop_str_in_output,
+            skip_special_tokens=request.skip_special_tokens,
+            n=1 if request.n is None else request.n,
+        )
+    except ValueError as exc:
+        message = str(exc).removeprefix("sampling parameter ")
+        name = re.match(r"\w+", message)
+        field = name[0] if name else None
+        renamed = {"max_tokens": max_tokens_field, "logprobs": logprobs_field}.get(field or "")
+        if renamed is not None and field is not None:
+            message = renamed + message[len(field) :]
+        raise ProtocolError(f"{message}.", param=renamed or field) from None
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    if not bias:
+        return None
+    for key in bias:
+        if not (key.isascii() and key.isdigit()):
+            raise ProtocolError(
+                f'logit_bias keys must be token ids written as integer strings (e.g. "42"); '
+                f"got {key!r}.",
+                param="logit_bias",
+            )
+    return {int(key): value for key, value in bias.items()}
+
+
+def _check_messages(messages: Sequence[ChatMessage]) -> None:
+    if not messages:
+        raise ProtocolError("messages must not be empty.", param="messages")
+    for index, message in enumerate(messages):
+        at = f"messages[{index}]"
+        if message.role not in ROLES:
+            raise ProtocolError(
+                f"role {message.role!r} is not supported: expected one of {', '.join(ROLES)} "
+                "(tool and function messages need tool calling, which is not supported yet).",
+                param=f"{at}.role",
+                code="unsupported_value",
+            )
+        if message.tool_calls:
+            _unsupported(f"{at}.tool_calls", "tool calling")
+        if message.content is None and message.role != "assistant":
+            raise ProtocolError(f"a {message.role} message needs content.", param=f"{at}.content")
+        parts = message.content if isinstance(message.content, list) else []
+        for part_index, part in enumerate(parts):
+            if part.type != "text" or part.text is None:
+                raise ProtocolError(
+                    f"content part type {part.type!r} is not supported: only text parts "
+                    '({"type": "text", "text": ...}) are.',
+                    param=f"{at}.content[{part_index}]",
+                    code="unsupported_value",
+                )
+
+
+def _unsupported(param: str, feature: str) -> None:
+    raise ProtocolError(
+        f"{param} is not supported by this server yet ({feature}); see docs/server.md.",
+        param=param,
+        code="unsupported_parameter",
+    )
+
+
+def _format_type(response_format: object) -> object:
+    return response_format.get("type") if isinstance(response_format, dict) else response_format
+
+
+def _default(value: float | None, default: float) -> float:
+    return default if value is None else value

@@ -1,0 +1,169 @@
+"""Turning a request's choice deltas into OpenAI responses: collected or as SSE events."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncGenerator, Sequence
+from contextlib import aclosing
+from typing import Any
+
+from brigade.engine import TokenLogprob
+from brigade.server import responses as out
+from brigade.server.frontend import ChoiceDelta
+
+__all__ = ["Collected", "chat_events", "collect", "completion_events", "merge", "prepend"]
+
+
+@dataclasses.dataclass(slots=True)
+class Collected:
+    """One choice's whole output (fits ``responses.ChoiceOutput``)."""
+
+    index: int
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob | None] | None = None
+    num_tokens: int = 0
+
+
+async def collect(
+    deltas: AsyncGenerator[ChoiceDelta, None], *, want_logprobs: bool
+) -> list[Collected]:
+    """Drain ``deltas`` into one :class:`Collected` per choice, ordered by index."""
+    choices: dict[int, Collected] = {}
+    async for delta in deltas:
+        choice = choices.setdefault(delta.index, Collected(delta.index))
+        choice.text += delta.text
+        choice.num_tokens += len(delta.token_ids)
+        if want_logprobs:
+            choice.logprobs = (choice.logprobs or []) + list(delta.logprobs or [])
+        if delta.finish_reason is not None:
+            choice.finish_reason = delta.finish_reason
+    return [choices[i] for i in sorted(choices)]
+
+
+async def chat_events(
+    deltas: AsyncGenerator[ChoiceDelta, None],
+    *,
+    response_id: str,
+    model: str,
+    created: int,
+    tokenizer: Any,
+    prompt_tokens: int,
+    want_logprobs: bool,
+    include_usage: bool,
+) -> AsyncGenerator[bytes, None]:
+    """SSE events of a streamed chat completion, ending with ``data: [DONE]``."""
+    started: set[int] = set()
+    completion_tokens = 0
+    async with aclosing(deltas):
+        async for delta in deltas:
+            role = None if delta.index in started else "assistant"
+            started.add(delta.index)
+            completion_tokens += len(delta.token_ids)
+            logprobs = None
+            if want_logprobs and delta.logprobs:
+                logprobs = out.chat_logprobs(delta.logprobs, tokenizer)
+            chunk = out.chat_chunk(
+                response_id,
+                model,
+                created,
+                index=delta.index,
+                role=role,
+                content=delta.text,
+                logprobs=logprobs,
+                finish_reason=delta.finish_reason,
+            )
+            yield out.sse_event(chunk)
+    if include_usage:
+        usage = out.usage(prompt_tokens, completion_tokens)
+        yield out.sse_event(out.chat_usage_chunk(response_id, model, created, usage))
+    yield out.SSE_DONE
+
+
+async def completion_events(
+    deltas: AsyncGenerator[ChoiceDelta, None],
+    *,
+    response_id: str,
+    model: str,
+    created: int,
+    tokenizer: Any,
+    prompt_tokens: int,
+    want_logprobs: bool,
+    include_usage: bool,
+) -> AsyncGenerator[bytes, None]:
+    """SSE events of a streamed text completion, ending with ``data: [DONE]``."""
+    offsets: dict[int, int] = {}
+    completion_tokens = 0
+    async with aclosing(deltas):
+        async for delta in deltas:
+            completion_tokens += len(delta.token_ids)
+            logprobs = None
+            if want_logprobs and delta.logprobs:
+                start = offsets.get(delta.index, 0)
+                logprobs = out.completion_logprobs(delta.logprobs, tokenizer, start)
+            offsets[delta.index] = offsets.get(delta.index, 0) + len(delta.text)
+            chunk = out.completion_chunk(
+                response_id,
+                model,
+                created,
+                index=delta.index,
+                text=delta.text,
+                logprobs=logprobs,
+                finish_reason=delta.finish_reason,
+            )
+            yield out.sse_event(chunk)
+    if include_usage:
+        usage = out.usage(prompt_tokens, completion_tokens)
+        yield out.sse_event(out.completion_usage_chunk(response_id, model, created, usage))
+    yield out.SSE_DONE
+
+
+async def prepend(
+    first: ChoiceDelta, rest: AsyncGenerator[ChoiceDelta, None]
+) -> AsyncGenerator[ChoiceDelta, None]:
+    """``first`` followed by ``rest`` (closing ``rest`` when closed early)."""
+    async with aclosing(rest):
+        yield first
+        async for delta in rest:
+            yield delta
+
+
+async def merge(
+    streams: Sequence[AsyncGenerator[ChoiceDelta, None]],
+) -> AsyncGenerator[ChoiceDelta, None]:
+    """Interleave several delta streams as items arrive; closing it closes them all."""
+    if len(streams) == 1:
+        async with aclosing(streams[0]):
+            async for delta in streams[0]:
+                yield delta
+        return
+    queue: asyncio.Queue[ChoiceDelta | BaseException | None] = asyncio.Queue()
+
+    async def pump(stream: AsyncGenerator[ChoiceDelta, None]) -> None:
+        try:
+            async with aclosing(stream):
+                async for delta in stream:
+                    queue.put_nowait(delta)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            queue.put_nowait(exc)
+            return
+        queue.put_nowait(None)
+
+    tasks = [asyncio.create_task(pump(s)) for s in streams]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
