@@ -93,10 +93,18 @@ def create_app(state: ServerState) -> Litestar:
 
 def _handlers(state: ServerState) -> list[Any]:
     @get("/health", sync_to_thread=False)
-    def health() -> Response[bytes]:
-        status = 503 if state.shutting_down else 200
-        body = b'{"status":"shutting down"}' if state.shutting_down else b'{"status":"ok"}'
-        return Response(body, status_code=status, media_type=JSON)
+    def health() -> Response[dict[str, Any]]:
+        """Liveness plus the engine's latest counters (503 while shutting down)."""
+        snapshot = state.async_engine.snapshot
+        body = {
+            "status": "shutting down" if state.shutting_down else "ok",
+            "num_steps": snapshot.num_steps,
+            "num_running": snapshot.scheduler.num_running,
+            "num_waiting": snapshot.scheduler.num_waiting,
+            "num_pages": snapshot.kv.num_pages,
+            "num_free_pages": snapshot.kv.num_free_pages,
+        }
+        return _json(body, status=503 if state.shutting_down else 200)
 
     @get("/metrics", sync_to_thread=False)
     def metrics() -> Response[bytes]:

@@ -137,6 +137,7 @@ class AsyncEngine:
             if not self._drain_commands():
                 return
             if not engine.has_unfinished():
+                self.snapshot = self._take_snapshot()  # aborts may have freed pages
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue

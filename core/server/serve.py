@@ -101,7 +101,7 @@ def _print_example(host: str, port: int, model: str, auth: bool) -> None:
         f"Brigade is serving {model!r} on http://{host}:{port}  (Ctrl-C to stop)\n"
         f"  curl http://{host}:{port}/v1/chat/completions{key} -H 'Content-Type: "
         f"application/json' \\\n"
-        f"    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": "
-        f"\"Hello!\"}}], \"max_tokens\": 32}}'",
+        f'    -d \'{{"model": "{model}", "messages": [{{"role": "user", "content": '
+        f'"Hello!"}}], "max_tokens": 32}}\'',
         flush=True,
     )

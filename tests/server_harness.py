@@ -1,0 +1,69 @@
+"""Start a real ``brigade serve`` process on 127.0.0.1 for end-to-end tests."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextlib.contextmanager
+def running_server(
+    config_text: str, workdir: Path, *, startup_s: float = 90.0
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """Yield (base URL, process) of a server started from ``config_text``; stop it after."""
+    port = free_port()
+    config = workdir / f"server-{port}.toml"
+    config.write_text(
+        config_text + f'\n[server]\nhost = "127.0.0.1"\nport = {port}\n'
+        if "[server]" not in config_text
+        else config_text.replace("[server]", f'[server]\nhost = "127.0.0.1"\nport = {port}', 1)
+    )
+    log = (workdir / f"server-{port}.log").open("wb")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "brigade", "serve", "--config", str(config)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + startup_s
+    try:
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(
+                    f"server exited with {process.returncode}:\n"
+                    + (workdir / f"server-{port}.log").read_text()
+                )
+            try:
+                if httpx.get(f"{base}/health", timeout=1.0).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("server did not become healthy in time")
+            time.sleep(0.2)
+        yield base, process
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        log.close()
