@@ -51,6 +51,9 @@ def _build_parser() -> argparse.ArgumentParser:
     show.add_argument("file", nargs="?", help="TOML config (omit for the defaults)")
     _add_override_flag(show)
     show.set_defaults(handler=_cmd_config_show)
+    docs = config_commands.add_parser("docs", help="print the config reference (Markdown)")
+    docs.add_argument("--all", action="store_true", help="include third-party plugins")
+    docs.set_defaults(handler=_cmd_config_docs)
 
     model = commands.add_parser("model", help="create local models")
     model_commands = model.add_subparsers(title="model commands", required=True)
@@ -153,6 +156,15 @@ def _cmd_config_show(args: argparse.Namespace) -> int:
             for key, value in dataclasses.asdict(values).items():
                 print(f"{key} = {_toml_value(value)}")
         print()
+    return 0
+
+
+def _cmd_config_docs(args: argparse.Namespace) -> int:
+    from brigade.config_docs import render_config_reference
+    from brigade.registry import default_registry
+
+    prefix = "" if args.all else "brigade-llm "
+    print(render_config_reference(default_registry(), distribution_prefix=prefix), end="")
     return 0
 
 

@@ -86,19 +86,39 @@ class Station:
     """The component kind its ``plugin`` names; None for a table without a plugin."""
     default_plugin: str | None
     settings_type: type
+    summary: str = ""
+    """One line for the config reference."""
 
 
 STATIONS: dict[str, Station] = {
     s.name: s
     for s in (
-        Station("model", None, None, ModelSettings),
-        Station("kv", "kv", "paged", KVSettings),
-        Station("scheduler", "scheduler", "fcfs", SchedulerSettings),
-        Station("executor", "executor", "torch", NoSettings),
-        Station("attention", "attention", "sdpa", NoSettings),
-        Station("sampler", "sampler", "standard", NoSettings),
-        Station("detokenizer", "detokenizer", "incremental", NoSettings),
-        Station("server", None, None, ServerSettings),
+        Station(
+            "model",
+            None,
+            None,
+            ModelSettings,
+            "Which model to load; the architecture comes from its config.json.",
+        ),
+        Station("kv", "kv", "paged", KVSettings, "The KV page pool and its manager."),
+        Station(
+            "scheduler",
+            "scheduler",
+            "fcfs",
+            SchedulerSettings,
+            "Who runs each step, under one token budget.",
+        ),
+        Station("executor", "executor", "torch", NoSettings, "Runs the forward pass."),
+        Station("attention", "attention", "sdpa", NoSettings, "Reads and writes the paged KV."),
+        Station("sampler", "sampler", "standard", NoSettings, "Chooses tokens from logits."),
+        Station(
+            "detokenizer",
+            "detokenizer",
+            "incremental",
+            NoSettings,
+            "Turns tokens into text and finds stop strings.",
+        ),
+        Station("server", None, None, ServerSettings, "The HTTP server of `brigade serve`."),
     )
 }
 """Every table a config may contain, in the order a step visits them."""
