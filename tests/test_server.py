@@ -109,6 +109,17 @@ def test_completions_with_token_prompts_batches_and_n(client: openai.OpenAI) -> 
     assert texts[0] != texts[1], "choice i uses seed + i"
 
 
+def test_n_choices_share_the_prompt_pages(server: str, client: openai.OpenAI) -> None:
+    before = metric(server, "brigade:prefix_cache_hits_total")
+    prompt = list(range(100, 164))  # 8 full pages of 8 tokens
+    response = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=3, n=4, temperature=1.0, seed=11
+    )
+    assert len(response.choices) == 4
+    hits = metric(server, "brigade:prefix_cache_hits_total") - before
+    assert hits >= 3 * 56, f"choices 1-3 should reuse choice 0's prompt pages, hits {hits}"
+
+
 def test_streaming_chat_with_usage(client: openai.OpenAI) -> None:
     stream = client.chat.completions.create(
         model="tiny",
