@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from brigade.interfaces import ComponentRegistry, hookimpl
 from brigade.plugins.attention.sdpa import SdpaBackend
+from brigade.plugins.attention.triton_backend import TritonAttentionOptions, TritonBackend
 from brigade.plugins.detokenizers.incremental import (
     IncrementalDetokenizer,
     IncrementalDetokenizerOptions,
@@ -22,6 +23,7 @@ def brigade_register(registry: ComponentRegistry) -> None:
     registry.add("kv", "paged", PagedKVManager, options=PagedKVOptions)
     registry.add("executor", "torch", TorchExecutor, options=TorchExecutorOptions)
     registry.add("attention", "sdpa", SdpaBackend)
+    registry.add("attention", "triton", TritonBackend, options=TritonAttentionOptions)
     registry.add("sampler", "standard", StandardSampler, options=StandardSamplerOptions)
     registry.add(
         "detokenizer", "incremental", IncrementalDetokenizer, options=IncrementalDetokenizerOptions

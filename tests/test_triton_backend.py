@@ -238,7 +238,7 @@ def test_half_precision_on_gpu_matches_sdpa(
     dtype: torch.dtype, atol: float, sliding_window: int | None
 ) -> None:
     case = _case(
-        [*MIXED_ROWS, (1, 700), (300, 40)],
+        [(1, 700), *MIXED_ROWS, (300, 40)],  # decode rows come first
         num_heads=32,
         num_kv_heads=8,
         head_dim=128,
@@ -249,7 +249,8 @@ def test_half_precision_on_gpu_matches_sdpa(
     )
     output = _check(case, TritonBackend(), atol=atol)
     reference, _ = run_backend(SdpaBackend(NoOptions()), case)
-    torch.testing.assert_close(output.float(), reference.float(), atol=atol, rtol=0)
+    # Each is within atol of the float64 reference, so they are within 2 atol of each other.
+    torch.testing.assert_close(output.float(), reference.float(), atol=2 * atol, rtol=0)
 
 
 @pytest.mark.gpu
