@@ -64,16 +64,23 @@ class Executor(abc.ABC):
         """Describe the KV cache this model needs per page and the memory left for it."""
 
     @abc.abstractmethod
-    def initialize_kv_cache(self, num_pages: int) -> None:
-        """Allocate K and V tensors for ``num_pages`` pages in every layer (called once)."""
+    def initialize_kv_cache(self, num_pages: int, num_host_pages: int = 0) -> None:
+        """Allocate K and V for ``num_pages`` device pages in every layer (called once).
+
+        ``num_host_pages`` more pages, with ids ``num_pages .. num_pages + num_host_pages - 1``,
+        live in host memory for swapping: they appear only in :meth:`copy_pages`, never in a
+        block table. Executors without ``supports_copy_pages`` are given none.
+        """
 
     @abc.abstractmethod
     def execute(self, batch: ModelInput) -> torch.Tensor:
         """Run one forward pass; return float32 logits ``[len(batch.logits_indices), vocab]``."""
 
     def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None:
-        """Copy page ``src[i]`` to ``dst[i]`` in every layer (forks, swap staging).
+        """Copy page ``src[i]`` to ``dst[i]`` in every layer (forks, swap out and in).
 
+        Ids may name device or host pages (see :meth:`initialize_kv_cache`), in any mix.
+        The copy is complete before the next :meth:`execute` reads or writes those pages.
         Executors that set ``supports_copy_pages`` implement this.
         """
         raise NotImplementedError(f"{type(self).__name__} does not support copy_pages")

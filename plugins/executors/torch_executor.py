@@ -109,6 +109,9 @@ class TorchExecutor(Executor):
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._unzeroed: torch.Tensor | None = None
         """CPU pools: [num_pages] bool, True for pages not yet zeroed."""
+        self.num_pages = 0
+        self.host_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        """Swap pages in host memory (ids ``num_pages`` and up)."""
 
     def _layer_shape(self, num_pages: int, index: int) -> tuple[int, ...]:
         layer = self.model.attention_layers[index]
@@ -132,11 +135,12 @@ class TorchExecutor(Executor):
             vocab_size=self.model.vocab_size,
         )
 
-    def initialize_kv_cache(self, num_pages: int) -> None:
+    def initialize_kv_cache(self, num_pages: int, num_host_pages: int = 0) -> None:
         """K and V per layer; every page is zero before its first use (attention contract).
 
         On CUDA the pool is zeroed at once. On the CPU zeroing a large pool would cost
         seconds and commit all its memory, so pages are zeroed when a step first writes them.
+        Host (swap) pages are only written by :meth:`copy_pages` before they are read.
         """
         if self.kv_caches:
             raise RuntimeError("initialize_kv_cache was already called; it allocates once")
@@ -153,6 +157,16 @@ class TorchExecutor(Executor):
                 )
             )
         self._unzeroed = torch.ones(num_pages, dtype=torch.bool) if lazy else None
+        self.num_pages = num_pages
+        pin = self.device.type == "cuda"
+        for index in range(len(self.model.attention_layers) if num_host_pages else 0):
+            shape = self._layer_shape(num_host_pages, index)
+            self.host_caches.append(
+                (
+                    torch.empty(shape, dtype=self.kv_cache_dtype, pin_memory=pin),
+                    torch.empty(shape, dtype=self.kv_cache_dtype, pin_memory=pin),
+                )
+            )
 
     def execute(self, batch: ModelInput) -> torch.Tensor:
         """Float32 logits [len(batch.logits_indices), vocab_size], on this executor's device."""
@@ -184,19 +198,43 @@ class TorchExecutor(Executor):
             unzeroed[fresh] = False
 
     def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None:
-        """Copy page ``src[i]`` onto ``dst[i]`` in every layer's K and V."""
+        """Copy page ``src[i]`` onto ``dst[i]`` in every layer's K and V (device or host)."""
         if len(src) != len(dst):
             raise ValueError(f"copy_pages: {len(src)} source pages but {len(dst)} destinations")
         if not src:
             return
-        source = torch.tensor(list(src), dtype=torch.int64, device=self.device)
-        target = torch.tensor(list(dst), dtype=torch.int64, device=self.device)
+        limit = self.num_pages + (self.host_caches[0][0].shape[0] if self.host_caches else 0)
+        if min(*src, *dst) < 0 or max(*src, *dst) >= limit:
+            raise ValueError(f"copy_pages: page ids must be in [0, {limit})")
+        source = torch.tensor(list(src), dtype=torch.int64)
+        target = torch.tensor(list(dst), dtype=torch.int64)
         if self._unzeroed is not None:
-            self._unzeroed[target.cpu()] = False  # whole pages are overwritten
+            on_device = target < self.num_pages
+            self._unzeroed[target[on_device]] = False  # whole pages are overwritten
         with torch.inference_mode():
-            for key_cache, value_cache in self.kv_caches:
-                key_cache.index_copy_(0, target, key_cache.index_select(0, source))
-                value_cache.index_copy_(0, target, value_cache.index_select(0, source))
+            for from_host in (False, True):
+                for to_host in (False, True):
+                    pairs = ((source >= self.num_pages) == from_host) & (
+                        (target >= self.num_pages) == to_host
+                    )
+                    if bool(pairs.any()):
+                        self._copy(source[pairs], target[pairs], from_host, to_host)
+
+    def _copy(
+        self, source: torch.Tensor, target: torch.Tensor, from_host: bool, to_host: bool
+    ) -> None:
+        """One direction of :meth:`copy_pages`; ids are global, host ones offset by num_pages."""
+        source = source - self.num_pages if from_host else source
+        target = target - self.num_pages if to_host else target
+        pools = (self.kv_caches, self.host_caches)
+        for layer in range(len(self.kv_caches)):
+            for kind in range(2):  # K, then V
+                from_pool = pools[from_host][layer][kind]
+                to_pool = pools[to_host][layer][kind]
+                pages = from_pool.index_select(0, source.to(from_pool.device))
+                # Device-to-host copies block, so the host pool is complete on return.
+                pages = pages.to(to_pool.device, non_blocking=not to_host)
+                to_pool.index_copy_(0, target.to(to_pool.device), pages)
 
     def shutdown(self) -> None:
         """Drop the weights and the KV pool."""
