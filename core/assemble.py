@@ -33,6 +33,8 @@ class ModelPath:
     num_pages: int
     page_size: int
     max_model_len: int
+    host_pages: tuple[int, ...] = ()
+    """Ids of the executor's host (swap) pages."""
 
 
 def resolve_model_path(config: EngineConfig) -> Path:
@@ -73,9 +75,11 @@ def build_executor(config: EngineConfig, registry: Registry) -> ModelPath:
         params, executor_station.options
     )
     num_pages = kv_pool_pages(executor, config)
-    executor.initialize_kv_cache(num_pages)
+    num_host_pages = _host_pages(executor, config)
+    executor.initialize_kv_cache(num_pages, num_host_pages)
     max_model_len = executor.kv_cache_spec().max_model_len
-    return ModelPath(executor, model_dir, num_pages, kv.page_size, max_model_len)
+    host_pages = tuple(range(num_pages, num_pages + num_host_pages))
+    return ModelPath(executor, model_dir, num_pages, kv.page_size, max_model_len, host_pages)
 
 
 def kv_pool_pages(executor: Executor, config: EngineConfig) -> int:
@@ -96,6 +100,19 @@ def kv_pool_pages(executor: Executor, config: EngineConfig) -> int:
             f"({spec.bytes_per_page} bytes each); raise max_memory_gib or set num_pages"
         )
     return num_pages
+
+
+def _host_pages(executor: Executor, config: EngineConfig) -> int:
+    """Host pages for swapping: only when ``[scheduler] preemption = "swap"``."""
+    if config["scheduler"].settings.preemption != "swap":
+        return 0
+    if not type(executor).supports_copy_pages:
+        raise ConfigError(
+            f"{config.source} [scheduler]: preemption = 'swap' needs an executor that can copy "
+            f"pages; {config.plugin('executor')!r} cannot"
+        )
+    bytes_per_page = executor.kv_cache_spec().bytes_per_page
+    return int(config["kv"].settings.swap_space_gib * GIB // bytes_per_page)
 
 
 def _model_architecture(names: list[str], registry: Registry, model_dir: Path) -> object:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from brigade.assemble import build_executor, read_eos_token_ids
-from brigade.config import EngineConfig
+from brigade.config import EngineConfig, check_config
 from brigade.errors import ConfigError, RequestError
 from brigade.interfaces import (
     KVManager,
@@ -59,6 +59,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig, registry: Registry) -> None:
         self.config = config
         self.hook = registry.hook
+        check_config(config, registry)  # cross-station rules, before loading weights
         model = build_executor(config, registry)
         self.executor, self.model_dir = model.executor, model.model_dir
         spec = self.executor.kv_cache_spec()
@@ -86,6 +87,8 @@ class EngineCore:
                 max_num_batched_tokens=settings.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
                 enable_chunked_prefill=settings.enable_chunked_prefill,
+                preemption=settings.preemption,
+                host_pages=model.host_pages,
             ),
             self.kv,
             config["scheduler"].options,
@@ -181,6 +184,10 @@ class EngineCore:
         for request in output.preempted:
             if request in self.batch:
                 self._release_row(request)
+        for copies in (output.swap_out, output.swap_in):  # out first: ins may reuse its pages
+            if copies:
+                sources, targets = zip(*copies, strict=True)
+                self.executor.copy_pages(sources, targets)
         if output.is_empty:
             return []
         for item in output.scheduled:

@@ -42,6 +42,9 @@ class KVSettings:
     max_memory_gib: float = option(4.0, help="upper bound of the KV pool in GiB", gt=0)
     cache_dtype: str = option("auto", help="KV cache dtype; auto = model dtype", choices=DTYPES)
     enable_prefix_caching: bool = option(True, help="reuse KV of shared prompt prefixes")
+    swap_space_gib: float = option(
+        1.0, help="host memory for swapped-out pages ([scheduler] preemption = 'swap')", ge=0
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +55,12 @@ class SchedulerSettings:
     )
     enable_chunked_prefill: bool = option(
         True, help="split long prompts across steps so decodes keep running"
+    )
+    preemption: str = option(
+        "recompute",
+        help="what a preempted request loses: its pages (recompute) or nothing (swap to "
+        "host memory; recompute when the host pool is full)",
+        choices=("recompute", "swap"),
     )
 
 

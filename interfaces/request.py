@@ -98,6 +98,10 @@ class SchedulerOutput:
 
     scheduled: tuple[ScheduledRequest, ...]
     preempted: tuple[Request, ...] = ()
+    swap_out: tuple[tuple[int, int], ...] = ()
+    """(device page, host page) copies core makes before this step runs (preempted by swap)."""
+    swap_in: tuple[tuple[int, int], ...] = ()
+    """(host page, device page) copies core makes after ``swap_out``, before the step runs."""
 
     @property
     def num_batched_tokens(self) -> int:

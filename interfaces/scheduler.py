@@ -20,6 +20,10 @@ class SchedulerParams:
     max_num_batched_tokens: int
     max_model_len: int
     enable_chunked_prefill: bool = True
+    preemption: str = "recompute"
+    """'recompute' (drop a victim's pages) or 'swap' (copy them to host pages and back)."""
+    host_pages: tuple[int, ...] = ()
+    """Host page ids (see ``Executor.initialize_kv_cache``) a 'swap' scheduler may use."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
