@@ -85,14 +85,22 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
+        priority: int | Sequence[int] = 0,
         use_tqdm: bool | None = None,
     ) -> list[RequestOutput]:
         """Complete every prompt (text, or a list of token ids); outputs in prompt order.
 
-        Every prompt is validated before any runs: a bad one raises ``RequestError`` and
-        nothing is generated.
+        ``priority`` is one value for all prompts or one per prompt; lower runs first under
+        the ``priority`` scheduler (FCFS ignores it). Every prompt is validated before any
+        runs: a bad one raises ``RequestError`` and nothing is generated.
         """
         prompt_list = _as_prompt_list(prompts)
+        if isinstance(priority, int):
+            priorities = [priority] * len(prompt_list)
+        elif len(priority) == len(prompt_list):
+            priorities = [int(p) for p in priority]
+        else:
+            raise RequestError(f"{len(priority)} priorities for {len(prompt_list)} prompts")
         if isinstance(sampling_params, Sequence):
             if len(sampling_params) != len(prompt_list):
                 raise RequestError(
@@ -109,14 +117,18 @@ class LLM:
                 raise RequestError(f"prompt {index}: {exc}") from None
         results: list[RequestOutput] = []
         tracked: dict[str, _Tracked] = {}
-        for prompt, token_ids, params in zip(prompt_list, encoded, params_list, strict=True):
+        for prompt, token_ids, params, level in zip(
+            prompt_list, encoded, params_list, priorities, strict=True
+        ):
             base = str(next(self._ids))
             result = RequestOutput(base, prompt if isinstance(prompt, str) else None, token_ids, [])
             for child in range(params.n):
                 child_params = params
                 if params.n > 1 and params.seed is not None:
                     child_params = dataclasses.replace(params, seed=params.seed + child)
-                request = self.engine.add_request(f"{base}-{child}", token_ids, child_params)
+                request = self.engine.add_request(
+                    f"{base}-{child}", token_ids, child_params, priority=level
+                )
                 completion = CompletionOutput(child, "", [], None)
                 if params.logprobs is not None:
                     completion.logprobs = []

@@ -12,7 +12,7 @@ import torch
 from brigade import LLM, SamplingParams
 from brigade.errors import RequestError
 from brigade.models.create import create_model
-from brigade.testing.parity import assert_greedy_match
+from brigade.testing.parity import assert_greedy_match, assert_same_greedy_outputs
 
 ATOL = 1e-4
 """fp32 logits of the tiny models (std ~4): brigade vs transformers differ by ~1e-5."""
@@ -46,16 +46,7 @@ def run(llm: LLM, token_prompts: list[list[int]]) -> list[tuple[list[int], list]
 
 
 def assert_same_greedy(ours: list, reference: list, label: str) -> None:
-    for index, ((tokens, _), (ref_tokens, ref_logprobs)) in enumerate(
-        zip(ours, reference, strict=True)
-    ):
-
-        def score(step: int, token: int, logprobs: list = ref_logprobs) -> float:
-            entry = logprobs[step]
-            table = dict(entry.top)
-            return table.get(token, float("-inf"))
-
-        assert_greedy_match(tokens, ref_tokens, score, atol=LOGPROB_ATOL, label=f"{label} #{index}")
+    assert_same_greedy_outputs(ours, reference, atol=LOGPROB_ATOL, label=label)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

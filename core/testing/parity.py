@@ -9,8 +9,28 @@ a reason other than noise. After a divergence nothing more can be compared.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
-__all__ = ["assert_greedy_match"]
+__all__ = ["GreedyOutput", "TokenScores", "assert_greedy_match", "assert_same_greedy_outputs"]
+
+
+class TokenScores(Protocol):
+    """One generated position's log probabilities (``brigade.engine.TokenLogprob`` has these)."""
+
+    @property
+    def token_id(self) -> int: ...
+
+    @property
+    def logprob(self) -> float: ...
+
+    @property
+    def top(self) -> Sequence[tuple[int, float]]:
+        """The most likely tokens at this position and their log probabilities."""
+        ...
+
+
+GreedyOutput = tuple[Sequence[int], Sequence[TokenScores | None] | None]
+"""One request's greedy tokens and the log probabilities brigade returned for them."""
 
 
 def assert_greedy_match(
@@ -39,3 +59,37 @@ def assert_greedy_match(
         f"{label} lengths differ without a divergence: {len(ours)} vs {len(reference)}"
     )
     return len(ours)
+
+
+def assert_same_greedy_outputs(
+    ours: Sequence[GreedyOutput],
+    reference: Sequence[GreedyOutput],
+    *,
+    atol: float,
+    label: str = "",
+) -> None:
+    """Check each of our (tokens, logprobs) against the reference run of the same request.
+
+    Tie-aware like :func:`assert_greedy_match`, scored by the reference's log probabilities, so
+    the reference must have been generated with ``SamplingParams(logprobs=k)`` (k >= 2 lets a
+    near-tie's runner-up be scored).
+    """
+    if len(ours) != len(reference):
+        raise ValueError(f"{label}: {len(ours)} outputs vs {len(reference)} reference outputs")
+    for index, ((tokens, _), (ref_tokens, ref_logprobs)) in enumerate(
+        zip(ours, reference, strict=True)
+    ):
+        if ref_logprobs is None:
+            raise ValueError(f"{label} #{index}: the reference has no logprobs to score ties with")
+
+        def score(
+            step: int, token: int, logprobs: Sequence[TokenScores | None] = ref_logprobs
+        ) -> float:
+            entry = logprobs[step]
+            if entry is None:
+                return float("-inf")
+            table = dict(entry.top)
+            table.setdefault(entry.token_id, entry.logprob)
+            return table.get(token, float("-inf"))
+
+        assert_greedy_match(tokens, ref_tokens, score, atol=atol, label=f"{label} #{index}")
