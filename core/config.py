@@ -93,16 +93,19 @@ def check_config(config: EngineConfig, registry: Registry) -> list[str]:
     cannot read, a model directory that does not exist).
     """
     notes: list[str] = []
-    attention = config["attention"]
-    if attention.plugin is not None:
-        factory = registry.get("attention", attention.plugin).factory
+    page_size = config["kv"].settings.page_size
+    for station in ("attention", "kv"):
+        chosen = config[station]
+        if chosen.plugin is None:
+            continue
+        factory = registry.get(station, chosen.plugin).factory
         rule_of = getattr(factory, "supported_page_sizes", None)
-        rule = rule_of(attention.options) if rule_of is not None else PageSizeRule()
-        page_size = config["kv"].settings.page_size
+        rule = rule_of(chosen.options) if rule_of is not None else PageSizeRule()
         if not rule.allows(page_size):
+            what = "attention backend" if station == "attention" else "KV manager"
             raise ConfigError(
-                f"{config.source}: [kv] page_size = {page_size} cannot be read by attention "
-                f"backend {attention.plugin!r}; it needs {rule.describe()}"
+                f"{config.source}: [kv] page_size = {page_size} cannot be used by {what} "
+                f"{chosen.plugin!r}; it needs {rule.describe()}"
             )
     model_path = config["model"].settings.path
     if model_path == "default":

@@ -41,6 +41,8 @@ class PageSizeRule:
         return self.maximum is None or page_size <= self.maximum
 
     def describe(self) -> str:
+        if self.maximum == self.minimum:
+            return f"exactly {self.minimum}"
         upper = f", at most {self.maximum}" if self.maximum is not None else ""
         if self.multiple_of > 1:
             return f"a multiple of {self.multiple_of}, at least {self.minimum}{upper}"

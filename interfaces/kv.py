@@ -5,7 +5,9 @@ from __future__ import annotations
 import abc
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
+from brigade.interfaces.attention import PageSizeRule
 from brigade.interfaces.request import Request
 
 __all__ = ["Allocation", "KVManager", "KVPoolParams", "KVStats"]
@@ -56,6 +58,11 @@ class KVManager(abc.ABC):
 
     supports_partial_page_reuse = False
     """True when prefix hits may end mid-page (token-granular reuse)."""
+
+    @classmethod
+    def supported_page_sizes(cls, options: Any) -> PageSizeRule:
+        """Page sizes this manager works with (``config check`` rejects others)."""
+        return PageSizeRule()
 
     @abc.abstractmethod
     def allocate(self, request: Request, num_new_tokens: int) -> Allocation | None:

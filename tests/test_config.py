@@ -75,7 +75,7 @@ def test_file_values_are_typed_and_frozen(tmp_path: Path, registry: Registry) ->
         ("[oven]\nheat = 3\n", r"unknown table \[oven\]; tables are model, kv"),
         ('[model]\nplugin = "x"\n', r"\[model\]: this table selects no plugin"),
         ('[attention]\nplugin = "flash"\n', r"no attention plugin named 'flash'.*sdpa"),
-        ('[scheduler]\nplugin = "sjf"\n', r"no scheduler plugin named 'sjf'.*: fcfs"),
+        ('[scheduler]\nplugin = "lottery"\n', r"no scheduler plugin named 'lottery'.*: fcfs"),
         ("[executor]\nthreads = 2\n", r"\(torch\): unknown key 'threads'.*num_threads"),
         ('[executor]\ndevice = "tpu"\n', r"device = 'tpu' is not allowed"),
         ("kv = 3\n", r"top-level key 'kv' must be a table"),
@@ -145,11 +145,21 @@ def test_check_rejects_page_size_the_backend_cannot_read(
     path = write(tmp_path, '[attention]\nplugin = "wide"\n[kv]\npage_size = 16\n')
     with pytest.raises(
         ConfigError,
-        match=r"page_size = 16 cannot be read by attention backend 'wide'; "
+        match=r"page_size = 16 cannot be used by attention backend 'wide'; "
         r"it needs a multiple of 256",
     ):
         check_config(load_config(path, registry), registry)
     path = write(tmp_path, '[attention]\nplugin = "wide"\n[kv]\npage_size = 512\n')
+    check_config(load_config(path, registry), registry)
+
+
+def test_check_rejects_a_page_size_the_kv_manager_cannot_use(
+    tmp_path: Path, registry: Registry
+) -> None:
+    path = write(tmp_path, '[kv]\nplugin = "radix"\n')
+    with pytest.raises(ConfigError, match=r"page_size = 16 cannot be used by KV manager 'radix'"):
+        check_config(load_config(path, registry), registry)
+    path = write(tmp_path, '[kv]\nplugin = "radix"\npage_size = 1\n')
     check_config(load_config(path, registry), registry)
 
 

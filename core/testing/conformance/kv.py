@@ -25,7 +25,7 @@ def check_kv_manager(
     factory: KVFactory,
     options: Any,
     *,
-    page_sizes: Sequence[int] = (1, 4, 16),
+    page_sizes: Sequence[int] | None = None,
     lru_eviction: bool = True,
     num_random_steps: int = 400,
     seed: int = 0,
@@ -37,8 +37,13 @@ def check_kv_manager(
     misses, eviction under pressure, caching switched off, and a randomized workload checking
     that no page serves two live requests unless it holds their identical computed prefix.
     Pass ``lru_eviction=False`` for a manager that evicts in another order than least recently
-    freed. Raises ``AssertionError`` naming the first violation.
+    freed. ``page_sizes`` defaults to those of 1, 4 and 16 the manager's
+    ``supported_page_sizes`` allows. Raises ``AssertionError`` naming the first violation.
     """
+    if page_sizes is None:
+        rule_of = getattr(factory, "supported_page_sizes", None)
+        page_sizes = [p for p in (1, 4, 16) if rule_of is None or rule_of(options).allows(p)]
+    assert page_sizes, "none of the page sizes 1, 4, 16 is allowed by the manager"
     for page_size in page_sizes:
         suite = _Suite(factory, options, page_size)
         checks: list[tuple[str, Callable[[], None]]] = [
