@@ -6,6 +6,7 @@ __all__ = [
     "BrigadeError",
     "ConfigError",
     "DuplicateComponentError",
+    "IncompatiblePluginError",
     "ModelLoadError",
     "RequestError",
     "UnknownComponentError",
@@ -22,6 +23,10 @@ class ConfigError(BrigadeError, ValueError):
 
 class DuplicateComponentError(BrigadeError):
     """Two plugins registered the same name for the same kind."""
+
+
+class IncompatiblePluginError(BrigadeError):
+    """A plugin was built for a plugin API version this Brigade does not provide."""
 
 
 class UnknownComponentError(BrigadeError, KeyError):

@@ -8,13 +8,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import pluggy
 
-from brigade.errors import DuplicateComponentError, UnknownComponentError
-from brigade.interfaces import COMPONENT_KINDS, NoOptions
+from brigade.errors import (
+    DuplicateComponentError,
+    IncompatiblePluginError,
+    UnknownComponentError,
+)
+from brigade.interfaces import API_VERSION, COMPONENT_KINDS, NoOptions
 from brigade.interfaces.hookspecs import PROJECT_NAME, BrigadeHookSpec
 
 __all__ = ["Component", "Registry", "default_registry", "load_registry"]
@@ -30,6 +35,8 @@ class Component:
     options_type: type
     distribution: str
     """'name version' of the distribution whose plugin registered it."""
+    api_version: str | None = None
+    """The plugin API version it declared it was built for (None: undeclared)."""
 
 
 class Registry:
@@ -41,7 +48,15 @@ class Registry:
         self.hook = hook
         """The plugin manager's hook relay, for event hooks (None when built by hand)."""
 
-    def add(self, kind: str, name: str, factory: Any, *, options: type | None = None) -> None:
+    def add(
+        self,
+        kind: str,
+        name: str,
+        factory: Any,
+        *,
+        options: type | None = None,
+        api_version: str | None = None,
+    ) -> None:
         """Register ``factory`` as ``name`` of ``kind``; see ``ComponentRegistry.add``."""
         if kind not in self._components:
             raise ValueError(
@@ -50,6 +65,8 @@ class Registry:
             )
         if not isinstance(name, str) or not name.strip():
             raise ValueError(f"component names must be non-empty strings, got {name!r}")
+        if api_version is not None:
+            self._check_api_version(kind, name, api_version)
         if not callable(factory):
             raise TypeError(f"{kind} {name!r}: factory {factory!r} is not callable")
         options_type = NoOptions if options is None else options
@@ -60,7 +77,9 @@ class Registry:
                 f"{kind} {name!r} is registered twice: by {existing.distribution} and by "
                 f"{self._source}; uninstall one of them or rename the component"
             )
-        self._components[kind][name] = Component(kind, name, factory, options_type, self._source)
+        self._components[kind][name] = Component(
+            kind, name, factory, options_type, self._source, api_version
+        )
 
     def get(self, kind: str, name: str) -> Component:
         """The component, or ``UnknownComponentError`` listing the registered names."""
@@ -81,6 +100,29 @@ class Registry:
     def __iter__(self) -> Iterator[Component]:
         for kind in self._components:
             yield from (self._components[kind][n] for n in sorted(self._components[kind]))
+
+    def _check_api_version(self, kind: str, name: str, api_version: str) -> None:
+        try:
+            wanted = _parse_api_version(api_version)
+        except ValueError:
+            raise ValueError(
+                f"{kind} {name!r} from {self._source}: api_version must be 'MAJOR.MINOR' "
+                f"(e.g. {API_VERSION!r}), got {api_version!r}"
+            ) from None
+        ours = _parse_api_version(API_VERSION)
+        if wanted[0] == ours[0] and wanted[1] <= ours[1]:
+            return
+        if wanted[0] != ours[0]:
+            advice = (
+                f"install a release of {self._source.split()[0]} built for API {ours[0]}.x, "
+                f"or a Brigade that provides API {wanted[0]}.x"
+            )
+        else:
+            advice = f"upgrade Brigade to one that provides API {api_version} or newer"
+        raise IncompatiblePluginError(
+            f"{kind} plugin {name!r} from {self._source} needs Brigade plugin API "
+            f"{api_version}, but this Brigade provides API {API_VERSION}; {advice}"
+        )
 
     def _register_from(self, source: str, register: Callable[..., object]) -> None:
         previous, self._source = self._source, source
@@ -117,6 +159,14 @@ def load_registry(*, entry_points: bool = True, plugins: Iterable[object] = ()) 
 def default_registry() -> Registry:
     """The registry of everything installed, loaded once per process."""
     return load_registry()
+
+
+def _parse_api_version(version: object) -> tuple[int, int]:
+    """(MAJOR, MINOR) of a "MAJOR.MINOR" string; ValueError if it is not one."""
+    match = re.fullmatch(r"(\d+)\.(\d+)", version) if isinstance(version, str) else None
+    if match is None:
+        raise ValueError(f"not a 'MAJOR.MINOR' version: {version!r}")
+    return int(match[1]), int(match[2])
 
 
 def _check_options_type(kind: str, name: str, options_type: type) -> None:

@@ -15,6 +15,10 @@ kind               contract                             factory is called as
 ``detokenizer``    :class:`Detokenizer`                 ``factory(tokenizer, options)``
 ``model``          :class:`ModelArchitecture`           ``factory()``; named by HF architecture
 =================  ===================================  ==========================================
+
+:data:`API_VERSION` versions these contracts. A plugin may declare the version it was built
+for (``registry.add(..., api_version="1.0")``); Brigade refuses it at load if the MAJOR part
+differs or its MINOR part is newer than Brigade's.
 """
 
 from brigade.interfaces.attention import AttentionBackend, AttentionLayer, PageSizeRule
@@ -36,6 +40,12 @@ from brigade.interfaces.sampler import (
 from brigade.interfaces.sampling import SamplingParams
 from brigade.interfaces.scheduler import Scheduler, SchedulerParams, SchedulerStats
 
+API_VERSION = "1.0"
+"""The plugin API version, "MAJOR.MINOR". MINOR grows when contracts gain backwards-compatible
+additions (a new optional method, a new field with a default): a plugin built for 1.0 runs on
+1.3, one built for 1.3 is refused by 1.0. MAJOR grows on any change that can break an existing
+plugin (a method removed or changed, a factory signature changed)."""
+
 COMPONENT_KINDS: dict[str, type] = {
     "scheduler": Scheduler,
     "kv": KVManager,
@@ -49,6 +59,7 @@ COMPONENT_KINDS: dict[str, type] = {
 """Every component kind and the contract its implementations fulfil."""
 
 __all__ = [
+    "API_VERSION",
     "COMPONENT_KINDS",
     "Allocation",
     "AttentionBackend",

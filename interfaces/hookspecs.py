@@ -11,7 +11,10 @@ Every distribution that ships Brigade components declares an entry point in the 
 
     @hookimpl
     def brigade_register(registry):
-        registry.add("scheduler", "shortest-first", ShortestFirst, options=ShortestFirstOptions)
+        registry.add(
+            "scheduler", "shortest-first", ShortestFirst,
+            options=ShortestFirstOptions, api_version="1.0",
+        )
 
 Brigade's own built-ins are registered through the same entry point group.
 Event hooks are observers (1:N); none is called on the per-token hot path.
@@ -38,13 +41,25 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 class ComponentRegistry(Protocol):
     """What ``brigade_register`` receives: the one place components are added."""
 
-    def add(self, kind: str, name: str, factory: Any, *, options: type | None = None) -> None:
+    def add(
+        self,
+        kind: str,
+        name: str,
+        factory: Any,
+        *,
+        options: type | None = None,
+        api_version: str | None = None,
+    ) -> None:
         """Register ``factory`` (a class or callable) as component ``name`` of ``kind``.
 
         ``kind`` is one of ``brigade.interfaces.COMPONENT_KINDS``. ``options`` is a dataclass
         whose fields all have defaults (see :func:`brigade.interfaces.option`); the config
         loader validates the user's table against it and passes an instance to the factory.
         A name already registered for that kind raises ``DuplicateComponentError``.
+
+        ``api_version`` ("MAJOR.MINOR") is the ``brigade.interfaces.API_VERSION`` the component
+        was built for; None declares nothing and is always accepted. A different MAJOR, or a
+        MINOR newer than the running Brigade's, raises ``IncompatiblePluginError``.
         """
         ...
 

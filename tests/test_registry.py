@@ -35,13 +35,13 @@ def test_builtins_are_registered_through_the_entry_point() -> None:
 def test_third_party_entry_point_is_discovered(monkeypatch: pytest.MonkeyPatch) -> None:
     install_fake_plugin(
         monkeypatch,
-        "brigade-sjf",
-        lambda r: r.add("scheduler", "sjf", ShortestFirst, options=ShortestFirstOptions),
+        "brigade-fake-sjf",
+        lambda r: r.add("scheduler", "fake-sjf", ShortestFirst, options=ShortestFirstOptions),
     )
-    component = load_registry().get("scheduler", "sjf")
+    component = load_registry().get("scheduler", "fake-sjf")
     assert component.factory is ShortestFirst
     assert component.options_type is ShortestFirstOptions
-    assert component.distribution == "brigade-sjf 1.2.3"
+    assert component.distribution == "brigade-fake-sjf 1.2.3"
 
 
 def test_duplicate_name_fails_naming_both_distributions(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -98,8 +98,8 @@ def test_plugins_command_lists_kind_name_distribution_and_defaults(
 ) -> None:
     install_fake_plugin(
         monkeypatch,
-        "brigade-sjf",
-        lambda r: r.add("scheduler", "sjf", ShortestFirst, options=ShortestFirstOptions),
+        "brigade-fake-sjf",
+        lambda r: r.add("scheduler", "fake-sjf", ShortestFirst, options=ShortestFirstOptions),
     )
     from brigade import registry as registry_module
 
@@ -110,10 +110,10 @@ def test_plugins_command_lists_kind_name_distribution_and_defaults(
         registry_module.default_registry.cache_clear()
     rows = json.loads(capsys.readouterr().out)
     by_name = {(r["kind"], r["name"]): r for r in rows}
-    assert by_name[("scheduler", "sjf")] == {
+    assert by_name[("scheduler", "fake-sjf")] == {
         "kind": "scheduler",
-        "name": "sjf",
-        "distribution": "brigade-sjf 1.2.3",
+        "name": "fake-sjf",
+        "distribution": "brigade-fake-sjf 1.2.3",
         "options": {"max_wait_steps": 100},
     }
     executor = by_name[("executor", "torch")]
