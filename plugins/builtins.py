@@ -11,16 +11,20 @@ from brigade.plugins.detokenizers.incremental import (
 )
 from brigade.plugins.executors.torch_executor import TorchExecutor, TorchExecutorOptions
 from brigade.plugins.kv.paged import PagedKVManager, PagedKVOptions
+from brigade.plugins.kv.radix import RadixKVManager, RadixKVOptions
 from brigade.plugins.models.architectures import ARCHITECTURES
 from brigade.plugins.samplers.standard import StandardSampler, StandardSamplerOptions
 from brigade.plugins.schedulers.fcfs import FcfsOptions, FcfsScheduler
+from brigade.plugins.schedulers.priority import PriorityOptions, PriorityScheduler
 
 
 @hookimpl
 def brigade_register(registry: ComponentRegistry) -> None:
     """Add every built-in component."""
     registry.add("scheduler", "fcfs", FcfsScheduler, options=FcfsOptions)
+    registry.add("scheduler", "priority", PriorityScheduler, options=PriorityOptions)
     registry.add("kv", "paged", PagedKVManager, options=PagedKVOptions)
+    registry.add("kv", "radix", RadixKVManager, options=RadixKVOptions)
     registry.add("executor", "torch", TorchExecutor, options=TorchExecutorOptions)
     registry.add("attention", "sdpa", SdpaBackend)
     registry.add("attention", "triton", TritonBackend, options=TritonAttentionOptions)

@@ -1,0 +1,92 @@
+"""The out-of-tree example plugin (examples/plugins/brigade-sjf), installed as a user would.
+
+CI installs it (scripts/test.sh); elsewhere these tests skip until it is installed with
+``pip install -e examples/plugins/brigade-sjf``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from brigade import LLM, SamplingParams
+from brigade.models.create import create_model
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "plugins" / "brigade-sjf"
+
+try:
+    SJF_VERSION = importlib.metadata.version("brigade-sjf")
+except importlib.metadata.PackageNotFoundError:
+    SJF_VERSION = None
+
+needs_install = pytest.mark.skipif(
+    SJF_VERSION is None,
+    reason="the example plugin is not installed: pip install -e examples/plugins/brigade-sjf",
+)
+
+
+def test_the_plugin_guide_shows_the_example_files_as_they_are() -> None:
+    guide = (ROOT / "docs" / "plugins.md").read_text(encoding="utf-8")
+    listings = re.findall(r"<!-- example: (\S+) -->\n```\w*\n(.*?)\n```\n", guide, re.DOTALL)
+    shown = {path for path, _ in listings}
+    assert shown >= {"pyproject.toml", "brigade_sjf/scheduler.py", "brigade_sjf/plugin.py"}
+    for path, text in listings:
+        expected = (EXAMPLE / path).read_text(encoding="utf-8").rstrip("\n")
+        assert text == expected, f"docs/plugins.md's listing of {path} is stale"
+
+
+@needs_install
+def test_brigade_plugins_lists_it_with_its_distribution() -> None:
+    listing = subprocess.run(
+        [sys.executable, "-m", "brigade", "plugins", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    rows = {(row["kind"], row["name"]): row for row in json.loads(listing.stdout)}
+    sjf = rows[("scheduler", "sjf")]
+    assert sjf["distribution"] == f"brigade-sjf {SJF_VERSION}"
+    assert sjf["options"] == {"aging_tokens_per_second": 50.0}
+
+
+@needs_install
+def test_selected_by_name_it_generates_for_a_batch(tmp_path: Path) -> None:
+    model_dir = create_model(tmp_path / "llama", "llama", overrides={"num_hidden_layers": 2})
+    llm = LLM(
+        overrides=[
+            f"model.path={model_dir}",
+            'scheduler.plugin="sjf"',
+            "scheduler.max_num_seqs=2",
+            "kv.page_size=4",
+            "kv.num_pages=24",  # small enough that the batch preempts
+        ]
+    )
+    assert type(llm.engine.scheduler).__name__ == "SjfScheduler"
+    lengths = [12, 3, 7, 1, 9, 5]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+    prompts = [[(7 * i + j) % 200 + 3 for j in range(10 + i)] for i in range(len(lengths))]
+    outputs = llm.generate(prompts, params)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == lengths
+    assert all(o.outputs[0].finish_reason == "length" for o in outputs)
+    assert not llm.engine.has_unfinished()
+    assert llm.engine.kv.num_free_pages() == 24
+
+
+@needs_install
+def test_its_own_test_suite_passes() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
+        cwd=EXAMPLE,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert " passed" in result.stdout
