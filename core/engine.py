@@ -31,7 +31,7 @@ from brigade.interfaces import (
 from brigade.persistent_batch import PersistentBatch
 from brigade.registry import Registry
 
-__all__ = ["EngineCore", "StepUpdate", "TokenLogprob"]
+__all__ = ["EngineCore", "EngineStats", "StepUpdate", "TokenLogprob"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -41,6 +41,28 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineStats:
+    """Counters for comparing policies on one workload."""
+
+    num_steps: int
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_free_pages: int
+    num_pages: int
+    mean_queue_time_s: float
+    """Mean time from arrival to first scheduled step, over requests scheduled so far."""
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return (
+            self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+        )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -108,6 +130,8 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self._generators: dict[str, torch.Generator] = {}
         self.num_steps = 0
+        self._queue_time_total = 0.0
+        self._num_scheduled = 0
         torch.manual_seed(config["model"].settings.seed)
         if self.hook is not None:
             self.hook.brigade_engine_started(components=config.components)
@@ -174,6 +198,21 @@ class EngineCore:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def stats(self) -> EngineStats:
+        """Scheduler and KV counters plus queue time, for policy comparisons."""
+        scheduler, kv = self.scheduler.stats(), self.kv.stats()
+        return EngineStats(
+            num_steps=self.num_steps,
+            num_running=scheduler.num_running,
+            num_waiting=scheduler.num_waiting,
+            num_preemptions=scheduler.num_preemptions,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_free_pages=kv.num_free_pages,
+            num_pages=kv.num_pages,
+            mean_queue_time_s=self._queue_time_total / max(1, self._num_scheduled),
+        )
 
     # -- the step -----------------------------------------------------------------------
 
@@ -256,6 +295,8 @@ class EngineCore:
     def _take_row(self, request: Request) -> None:
         if request.first_scheduled_time is None:
             request.first_scheduled_time = time.monotonic()
+            self._queue_time_total += request.first_scheduled_time - request.arrival_time
+            self._num_scheduled += 1
         row = self.batch.assign(request, self._generators.get(request.request_id))
         for processor in self.processors:
             processor.add(row, request)

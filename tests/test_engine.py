@@ -103,8 +103,10 @@ def test_batching_chunking_and_prefix_caching_do_not_change_tokens(model_dirs: d
     run(cached, token_prompts)
     again = run(cached, token_prompts)  # every prompt now hits the cache
     assert_same_greedy(again, alone, "cache hits")
-    stats = cached.engine.kv.stats()
+    stats = cached.engine.stats()
     assert stats.prefix_cache_hits > len(shared), stats
+    assert 0 < stats.prefix_hit_rate < 1
+    assert stats.mean_queue_time_s >= 0
 
 
 def test_a_pool_too_small_for_the_batch_still_finishes_everything(model_dirs: dict) -> None:

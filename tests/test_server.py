@@ -315,7 +315,11 @@ def test_metrics_move_after_requests(server: str, client: openai.OpenAI) -> None
     assert after["brigade:prompt_tokens_total"] - before["brigade:prompt_tokens_total"] == 3
     for name in names[2:]:
         assert after[name] == before[name] + 1, name
-    assert "brigade:kv_cache_usage_perc" in httpx.get(f"{server}/metrics").text
+    text = httpx.get(f"{server}/metrics").text
+    assert "brigade:kv_cache_usage_perc" in text
+    info = next(line for line in text.splitlines() if line.startswith("brigade:engine_info{"))
+    assert 'scheduler="fcfs"' in info
+    assert 'kv="paged"' in info
 
 
 @pytest.fixture(scope="module")

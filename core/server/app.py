@@ -99,24 +99,23 @@ def _handlers(state: ServerState) -> list[Any]:
         body = {
             "status": "shutting down" if state.shutting_down else "ok",
             "num_steps": snapshot.num_steps,
-            "num_running": snapshot.scheduler.num_running,
-            "num_waiting": snapshot.scheduler.num_waiting,
-            "num_pages": snapshot.kv.num_pages,
-            "num_free_pages": snapshot.kv.num_free_pages,
+            "num_running": snapshot.num_running,
+            "num_waiting": snapshot.num_waiting,
+            "num_pages": snapshot.num_pages,
+            "num_free_pages": snapshot.num_free_pages,
         }
         return _json(body, status=503 if state.shutting_down else 200)
 
     @get("/metrics", sync_to_thread=False)
     def metrics() -> Response[bytes]:
-        snapshot = state.async_engine.snapshot
-        kv = snapshot.kv
+        stats = state.async_engine.snapshot
         state.metrics.observe_engine(
-            num_running=snapshot.scheduler.num_running,
-            num_waiting=snapshot.scheduler.num_waiting,
-            kv_usage=1.0 - kv.num_free_pages / max(1, kv.num_pages),
-            prefix_cache_queries=kv.prefix_cache_queries,
-            prefix_cache_hits=kv.prefix_cache_hits,
-            num_preemptions=snapshot.scheduler.num_preemptions,
+            num_running=stats.num_running,
+            num_waiting=stats.num_waiting,
+            kv_usage=1.0 - stats.num_free_pages / max(1, stats.num_pages),
+            prefix_cache_queries=stats.prefix_cache_queries,
+            prefix_cache_hits=stats.prefix_cache_hits,
+            num_preemptions=stats.num_preemptions,
         )
         body, content_type = state.metrics.render()
         return Response(body, media_type=content_type)

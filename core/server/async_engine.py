@@ -14,25 +14,15 @@ import queue
 import threading
 from collections.abc import AsyncGenerator, Sequence
 
-from brigade.engine import EngineCore, StepUpdate
+from brigade.engine import EngineCore, EngineStats, StepUpdate
 from brigade.errors import BrigadeError, RequestError
-from brigade.interfaces import SamplingParams, SchedulerStats
-from brigade.interfaces.kv import KVStats
+from brigade.interfaces import SamplingParams
 
-__all__ = ["AsyncEngine", "EngineSnapshot", "EngineOverloadedError"]
+__all__ = ["AsyncEngine", "EngineOverloadedError"]
 
 
 class EngineOverloadedError(BrigadeError):
     """The bounded waiting queue is full; the client should retry later."""
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class EngineSnapshot:
-    """Engine counters as of the latest step (read by metrics and /health)."""
-
-    scheduler: SchedulerStats
-    kv: KVStats
-    num_steps: int
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -63,7 +53,8 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name="brigade-engine", daemon=True)
         self._stopped = False
-        self.snapshot = self._take_snapshot()
+        self.snapshot: EngineStats = engine.stats()
+        """Engine counters as of the latest step (read by /health and /metrics)."""
         self._thread.start()
 
     # -- event-loop side ----------------------------------------------------------------
@@ -137,7 +128,7 @@ class AsyncEngine:
             if not self._drain_commands():
                 return
             if not engine.has_unfinished():
-                self.snapshot = self._take_snapshot()  # aborts may have freed pages
+                self.snapshot = self.engine.stats()  # aborts may have freed pages
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
@@ -153,7 +144,7 @@ class AsyncEngine:
                 stream.loop.call_soon_threadsafe(stream.sink.put_nowait, update)
                 if update.finished:
                     del self._streams[update.request.request_id]
-            self.snapshot = self._take_snapshot()
+            self.snapshot = self.engine.stats()
 
     def _drain_commands(self) -> bool:
         while True:
@@ -185,8 +176,3 @@ class AsyncEngine:
             self.engine.abort_request(request_id)
             stream.loop.call_soon_threadsafe(stream.sink.put_nowait, error)
         self._streams.clear()
-
-    def _take_snapshot(self) -> EngineSnapshot:
-        return EngineSnapshot(
-            self.engine.scheduler.stats(), self.engine.kv.stats(), self.engine.num_steps
-        )

@@ -147,6 +147,18 @@ class ServerMetrics:
         self._generation_tokens.inc(generation_tokens)
         self._e2e.observe(e2e_s)
 
+    def set_components(self, components: dict[str, str]) -> None:
+        """Publish which plugin runs each station (``brigade:engine_info``, value 1), so
+        dashboards can compare policies side by side."""
+        names = sorted(components)
+        info = Gauge(
+            "brigade:engine_info",
+            "The plugin of each station (value is always 1).",
+            ["model_name", *names],
+            registry=self.registry,
+        )
+        info.labels(self.model_name, *(components[n] for n in names)).set(1)
+
     def observe_engine(
         self,
         num_running: int,

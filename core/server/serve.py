@@ -32,6 +32,7 @@ def build_state(config: EngineConfig, registry: Registry) -> ServerState:
     )
     model_name = settings.served_model_name or engine.model_dir.name
     metrics = ServerMetrics(model_name)
+    metrics.set_components(config.components)
     async_engine = AsyncEngine(engine, max_waiting_requests=settings.max_waiting_requests)
     return ServerState(
         async_engine=async_engine,
