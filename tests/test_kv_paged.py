@@ -14,7 +14,7 @@ from brigade.interfaces import KVPoolParams, Request, RequestStatus
 from brigade.plugins.kv import paged
 from brigade.plugins.kv.paged import ROOT_PAGE_DIGEST, PagedKVManager, PagedKVOptions, hash_page
 from brigade.testing.conformance.kv import check_kv_manager
-from brigade.testing.requests import make_request
+from brigade.testing.requests import cached_once, make_request, probe_hit, run_prefill
 
 PS = 4
 """Page size of the unit tests."""
@@ -26,35 +26,6 @@ def new_kv(num_pages: int, page_size: int = PS, caching: bool = True) -> PagedKV
 
 def tokens(tag: int, num_tokens: int) -> list[int]:
     return [tag * 1000 + i for i in range(num_tokens)]
-
-
-def run_prefill(kv: PagedKVManager, request: Request) -> int:
-    """Admit and compute the whole request, commit, and return the cached tokens found."""
-    allocation = kv.allocate(request, request.num_tokens)
-    assert allocation is not None
-    request.num_computed_tokens = request.num_tokens
-    kv.commit(request)
-    return allocation.num_cached_tokens
-
-
-def cached_once(kv: PagedKVManager, prompt: list[int], request_id: str = "owner") -> list[int]:
-    """Compute ``prompt`` in a request, free it, and return the pages it used."""
-    owner = make_request(request_id, prompt)
-    run_prefill(kv, owner)
-    table = list(kv.block_table(owner))
-    owner.status = RequestStatus.FINISHED_STOPPED
-    kv.free(owner)
-    return table
-
-
-def probe_hit(kv: PagedKVManager, prompt: list[int]) -> int:
-    """Cached tokens a new request with ``prompt`` finds (it is freed again)."""
-    probe = make_request("probe", prompt)
-    allocation = kv.allocate(probe, probe.num_tokens)
-    assert allocation is not None
-    probe.status = RequestStatus.FINISHED_ABORTED
-    kv.free(probe)
-    return allocation.num_cached_tokens
 
 
 def test_paged_manager_conforms() -> None:

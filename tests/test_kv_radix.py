@@ -16,7 +16,7 @@ from brigade.models.create import create_model
 from brigade.plugins.kv.paged import PagedKVManager, PagedKVOptions
 from brigade.plugins.kv.radix import RadixKVManager, RadixKVOptions, _Node
 from brigade.testing.conformance.kv import check_kv_manager
-from brigade.testing.requests import make_request
+from brigade.testing.requests import cached_once, make_request, probe_hit, run_prefill
 
 
 def new_kv(num_pages: int, caching: bool = True) -> RadixKVManager:
@@ -25,34 +25,6 @@ def new_kv(num_pages: int, caching: bool = True) -> RadixKVManager:
 
 def tokens(tag: int, num_tokens: int) -> list[int]:
     return [tag * 1000 + i for i in range(num_tokens)]
-
-
-def run_prefill(kv: RadixKVManager | PagedKVManager, request: Request) -> int:
-    """Admit and compute the whole request, commit, and return the cached tokens found."""
-    allocation = kv.allocate(request, request.num_tokens)
-    assert allocation is not None
-    request.num_computed_tokens = request.num_tokens
-    kv.commit(request)
-    return allocation.num_cached_tokens
-
-
-def cached_once(kv: RadixKVManager, prompt: list[int], request_id: str = "owner") -> list[int]:
-    """Compute ``prompt`` in a request, free it, and return the pages it used."""
-    owner = make_request(request_id, prompt)
-    run_prefill(kv, owner)
-    table = list(kv.block_table(owner))
-    owner.status = RequestStatus.FINISHED_STOPPED
-    kv.free(owner)
-    return table
-
-
-def probe_hit(kv: RadixKVManager, prompt: list[int]) -> int:
-    """Cached tokens a new request with ``prompt`` finds (it is freed again, uncommitted)."""
-    probe = make_request("probe", prompt)
-    allocation = kv.allocate(probe, probe.num_tokens)
-    assert allocation is not None
-    kv.free(probe)
-    return allocation.num_cached_tokens
 
 
 def edges(node: _Node) -> list[list[int]]:

@@ -6,9 +6,9 @@ import random
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from brigade.interfaces import Request, SamplingParams
+from brigade.interfaces import KVManager, Request, RequestStatus, SamplingParams
 
-__all__ = ["make_request", "make_requests"]
+__all__ = ["cached_once", "make_request", "make_requests", "probe_hit", "run_prefill"]
 
 
 def make_request(
@@ -73,3 +73,34 @@ def make_requests(
             )
         )
     return requests
+
+
+def run_prefill(kv: KVManager, request: Request) -> int:
+    """Admit and compute the whole request, commit, and return the cached tokens found."""
+    allocation = kv.allocate(request, request.num_tokens)
+    if allocation is None:
+        raise AssertionError(f"no room to admit {request.request_id}")
+    request.num_computed_tokens = request.num_tokens
+    kv.commit(request)
+    return allocation.num_cached_tokens
+
+
+def cached_once(kv: KVManager, prompt: list[int], request_id: str = "owner") -> list[int]:
+    """Compute ``prompt`` in a request, free it, and return the pages it used."""
+    owner = make_request(request_id, prompt)
+    run_prefill(kv, owner)
+    table = list(kv.block_table(owner))
+    owner.status = RequestStatus.FINISHED_STOPPED
+    kv.free(owner)
+    return table
+
+
+def probe_hit(kv: KVManager, prompt: list[int]) -> int:
+    """Cached tokens a new request with ``prompt`` finds (it is freed again, uncommitted)."""
+    probe = make_request("probe", prompt)
+    allocation = kv.allocate(probe, probe.num_tokens)
+    if allocation is None:
+        raise AssertionError("no room to admit the probe")
+    probe.status = RequestStatus.FINISHED_ABORTED
+    kv.free(probe)
+    return allocation.num_cached_tokens
