@@ -120,7 +120,11 @@ class EngineCore:
             SamplerParams(settings.max_num_seqs, self.vocab_size, str(self.device)),
             config["sampler"].options,
         )
-        self.processors: list[LogitsProcessor] = list(self.sampler.logits_processors())
+        # An executor that returns token ids (no logits) leaves processors nothing to act on.
+        self._executor_returns_token_ids = type(self.executor).returns_token_ids
+        self.processors: list[LogitsProcessor] = (
+            [] if self._executor_returns_token_ids else list(self.sampler.logits_processors())
+        )
         self.batch = PersistentBatch(
             settings.max_num_seqs,
             self.max_model_len,
@@ -233,12 +237,15 @@ class EngineCore:
             if item.request not in self.batch:
                 self._take_row(item.request)
         plan = self.batch.prepare(output.scheduled, self.kv)
-        logits = self.executor.execute(plan.model_input)
+        result = self.executor.execute(plan.model_input)
         self.num_steps += 1
         updates: list[StepUpdate] = []
         finished: list[Request] = []
         if plan.sampled:
-            tokens, logprobs = self._sample(logits, plan.sampled_rows)
+            if self._executor_returns_token_ids:  # no logits: no processors, no sampler
+                tokens, logprobs = result.tolist(), None
+            else:
+                tokens, logprobs = self._sample(result, plan.sampled_rows)
             positions = [request.num_tokens for request in plan.sampled]
             self.batch.append_tokens(plan.sampled_rows, positions, tokens)
             for processor in self.processors:

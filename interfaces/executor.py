@@ -58,6 +58,9 @@ class Executor(abc.ABC):
     """
 
     supports_copy_pages: ClassVar[bool] = False
+    returns_token_ids: ClassVar[bool] = False
+    """True: :meth:`execute` returns the chosen token ids ``[S]`` (int64) instead of logits,
+    and core skips logits processors and the sampler (e.g. a simulator with no weights)."""
 
     @abc.abstractmethod
     def kv_cache_spec(self) -> KVCacheSpec:
@@ -74,7 +77,11 @@ class Executor(abc.ABC):
 
     @abc.abstractmethod
     def execute(self, batch: ModelInput) -> torch.Tensor:
-        """Run one forward pass; return float32 logits ``[len(batch.logits_indices), vocab]``."""
+        """Run one forward pass; return float32 logits ``[len(batch.logits_indices), vocab]``.
+
+        Executors with ``returns_token_ids`` return int64 token ids
+        ``[len(batch.logits_indices)]`` instead, one per sampled position.
+        """
 
     def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None:
         """Copy page ``src[i]`` to ``dst[i]`` in every layer (forks, swap out and in).

@@ -9,6 +9,7 @@ from brigade.plugins.detokenizers.incremental import (
     IncrementalDetokenizer,
     IncrementalDetokenizerOptions,
 )
+from brigade.plugins.executors.simulated import SimulatedExecutor, SimulatedExecutorOptions
 from brigade.plugins.executors.torch_executor import TorchExecutor, TorchExecutorOptions
 from brigade.plugins.kv.paged import PagedKVManager, PagedKVOptions
 from brigade.plugins.kv.radix import RadixKVManager, RadixKVOptions
@@ -26,6 +27,7 @@ def brigade_register(registry: ComponentRegistry) -> None:
     registry.add("kv", "paged", PagedKVManager, options=PagedKVOptions)
     registry.add("kv", "radix", RadixKVManager, options=RadixKVOptions)
     registry.add("executor", "torch", TorchExecutor, options=TorchExecutorOptions)
+    registry.add("executor", "simulated", SimulatedExecutor, options=SimulatedExecutorOptions)
     registry.add("attention", "sdpa", SdpaBackend)
     registry.add("attention", "triton", TritonBackend, options=TritonAttentionOptions)
     registry.add("sampler", "standard", StandardSampler, options=StandardSamplerOptions)

@@ -13,6 +13,7 @@ from brigade.interfaces import (
     Executor,
     ExecutorParams,
     ModelArchitecture,
+    ModelInput,
     NoOptions,
 )
 from brigade.model_input import SeqChunk, build_model_input
@@ -123,7 +124,8 @@ def check_executor(
     ``reference`` (e.g. the ``torch`` executor with ``sdpa``) must already have its KV cache
     initialised with at least ``num_pages`` pages of ``page_size``. Checks the KV spec, a
     ragged prefill, decodes across page boundaries, repeatability and, when supported,
-    ``copy_pages``.
+    ``copy_pages``. An executor with ``returns_token_ids`` (no logits, e.g. a simulator) is
+    checked for the token-id contract instead of logits parity.
     """
     params = ExecutorParams(
         model_path=str(model_dir),
@@ -144,6 +146,10 @@ def check_executor(
     prefill = build_model_input(
         [SeqChunk(p, 0, t) for p, t in zip(prompts, tables, strict=True)], page_size
     )
+    if type(executor).returns_token_ids:
+        _check_token_ids(executor, prefill, spec.vocab_size)
+        executor.shutdown()
+        return
     logits = executor.execute(prefill)
     assert logits.dtype == torch.float32, f"logits dtype {logits.dtype}, expected float32"
     assert logits.shape == (2, spec.vocab_size), f"logits shape {tuple(logits.shape)}"
@@ -159,6 +165,16 @@ def check_executor(
         forked = build_model_input([SeqChunk([7], len(prompts[0]), [9, 10])], page_size)
         _assert_close(executor.execute(forked), first[:1], atol, "decode over copied pages")
     executor.shutdown()
+
+
+def _check_token_ids(executor: Executor, batch: ModelInput, vocab_size: int) -> None:
+    token_ids = executor.execute(batch)
+    wanted = (batch.logits_indices.shape[0],)
+    assert token_ids.dtype == torch.int64, f"token ids dtype {token_ids.dtype}, expected int64"
+    assert token_ids.shape == wanted, f"token ids shape {tuple(token_ids.shape)} != {wanted}"
+    assert bool(((token_ids >= 0) & (token_ids < vocab_size)).all()), (
+        f"token ids outside the vocabulary [0, {vocab_size}): {token_ids.tolist()}"
+    )
 
 
 def check_model_architecture(

@@ -1,0 +1,1 @@
+"""Benchmark building blocks: seeded workloads and the simulated-executor driver."""
