@@ -67,6 +67,10 @@ class AttentionBackend(abc.ABC):
     name: ClassVar[str] = ""
     supports_sliding_window: ClassVar[bool] = False
     supports_cuda_graphs: ClassVar[bool] = False
+    """Pure decode steps can be captured in a CUDA graph and replayed: :meth:`forward` reads
+    only device tensors that :meth:`build_metadata` took from the batch (no host sync, no
+    allocation outside the graph's pool), and what it derives from host maxima stays valid for
+    any replay whose values are at most those of the capture batch."""
 
     @classmethod
     def supported_page_sizes(cls, options: Any) -> PageSizeRule:

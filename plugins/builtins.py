@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from brigade.interfaces import ComponentRegistry, hookimpl
+from brigade.plugins.attention.flash_attn import FlashAttentionBackend
 from brigade.plugins.attention.sdpa import SdpaBackend
 from brigade.plugins.attention.triton_backend import TritonAttentionOptions, TritonBackend
 from brigade.plugins.detokenizers.incremental import (
     IncrementalDetokenizer,
     IncrementalDetokenizerOptions,
 )
+from brigade.plugins.executors.cuda_graph import CudaGraphExecutor, CudaGraphExecutorOptions
 from brigade.plugins.executors.simulated import SimulatedExecutor, SimulatedExecutorOptions
 from brigade.plugins.executors.torch_executor import TorchExecutor, TorchExecutorOptions
 from brigade.plugins.kv.paged import PagedKVManager, PagedKVOptions
@@ -28,8 +30,10 @@ def brigade_register(registry: ComponentRegistry) -> None:
     registry.add("kv", "radix", RadixKVManager, options=RadixKVOptions)
     registry.add("executor", "torch", TorchExecutor, options=TorchExecutorOptions)
     registry.add("executor", "simulated", SimulatedExecutor, options=SimulatedExecutorOptions)
+    registry.add("executor", "cuda-graph", CudaGraphExecutor, options=CudaGraphExecutorOptions)
     registry.add("attention", "sdpa", SdpaBackend)
     registry.add("attention", "triton", TritonBackend, options=TritonAttentionOptions)
+    registry.add("attention", "flash-attn", FlashAttentionBackend)
     registry.add("sampler", "standard", StandardSampler, options=StandardSamplerOptions)
     registry.add(
         "detokenizer", "incremental", IncrementalDetokenizer, options=IncrementalDetokenizerOptions

@@ -7,7 +7,10 @@
 #   2. the triton backend's whole test file, compiled on the GPU (fp32 vs the float64
 #      reference, bf16/fp16 vs sdpa), then every other test marked `gpu`;
 #   3. benchmarks/attention_kernels.py: triton vs sdpa timings (decode batch 1/8/64 x context
-#      1k/8k, prefill chunks), bf16, head dim 128, 32q/8kv heads, page 16.
+#      1k/8k, prefill chunks), bf16, head dim 128, 32q/8kv heads, page 16;
+#   4. benchmarks/cuda_graph_decode.py: decode tokens/s, eager vs cuda-graph executor, batch
+#      1/8/64 on a ~1B Llama-shaped random bf16 model, and batch 1 vs the bandwidth limit.
+# Step 2 includes tests/test_cuda_graph.py (replay vs eager) and tests/test_flash_attn_backend.py.
 # Exit status: non-zero if any test failed or the benchmark did not run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -51,5 +54,7 @@ if [ "${#others[@]}" -gt 0 ]; then
 fi
 echo "== benchmarks/attention_kernels.py"
 timeout 240 "$python" benchmarks/attention_kernels.py || status=1
+echo "== benchmarks/cuda_graph_decode.py"
+timeout 240 "$python" benchmarks/cuda_graph_decode.py || status=1
 echo "gpu_check: $([ "$status" = 0 ] && echo passed || echo FAILED)"
 exit "$status"

@@ -63,6 +63,15 @@ def test_attention_backend_conforms(component: Component) -> None:
 
 @pytest.mark.parametrize("component", components("executor"), ids=ids)
 def test_executor_conforms(component: Component, tiny_llama: Path) -> None:
+    options = build_options(component.options_type, {}, component.name)
+    if isinstance(options, TorchExecutorOptions):
+        options = TorchExecutorOptions(device="cpu")
+    check_device = getattr(component.factory, "check_device", None)
+    if check_device is not None:
+        try:
+            check_device(getattr(options, "device", "cpu"))
+        except RuntimeError as exc:
+            pytest.skip(f"{component.name} cannot run on this machine: {exc}")
     reference = TorchExecutor(
         ExecutorParams(
             model_path=str(tiny_llama),
@@ -75,9 +84,6 @@ def test_executor_conforms(component: Component, tiny_llama: Path) -> None:
         TorchExecutorOptions(device="cpu"),
     )
     reference.initialize_kv_cache(32)
-    options = build_options(component.options_type, {}, component.name)
-    if isinstance(options, TorchExecutorOptions):
-        options = TorchExecutorOptions(device="cpu")
     check_executor(component.factory, options, tiny_llama, reference=reference)
 
 

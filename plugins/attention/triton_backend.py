@@ -130,6 +130,10 @@ class TritonBackend(AttentionBackend):
 
     name: ClassVar[str] = "triton"
     supports_sliding_window: ClassVar[bool] = True
+    supports_cuda_graphs: ClassVar[bool] = True
+    """Pure decode steps only: the decode grid is (rows, KV heads, splits), and the split
+    count, chosen from the capture batch's host maxima, stays valid for any shorter context
+    (each split's range is derived from the device-side length; empty splits weigh zero)."""
 
     def __init__(self, options: TritonAttentionOptions | None = None) -> None:
         self.options = options if options is not None else TritonAttentionOptions()

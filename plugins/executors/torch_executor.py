@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import ClassVar
 
 import torch
@@ -106,6 +106,8 @@ class TorchExecutor(Executor):
         )
         if isinstance(self.model, torch.nn.Module):
             self.model.eval()
+        self.forward_fn: Callable[..., torch.Tensor] = self.model.forward
+        """The model's forward (a subclass may swap in a compiled one)."""
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._unzeroed: torch.Tensor | None = None
         """CPU pools: [num_pages] bool, True for pages not yet zeroed."""
@@ -170,6 +172,20 @@ class TorchExecutor(Executor):
 
     def execute(self, batch: ModelInput) -> torch.Tensor:
         """Float32 logits [len(batch.logits_indices), vocab_size], on this executor's device."""
+        batch = self.prepare_input(batch)
+        with torch.inference_mode():
+            return self.compute_logits(batch)
+
+    def prepare_input(self, batch: ModelInput) -> ModelInput:
+        """Check ``batch`` against the pool, zero fresh CPU pages, move it to the device."""
+        self.check_batch(batch)
+        if self._unzeroed is not None:
+            self._zero_fresh_pages(self._unzeroed, batch.slot_mapping // batch.page_size)
+        return model_input_to(batch, self.device, non_blocking=True)
+
+    def check_batch(self, batch: ModelInput) -> None:
+        """``RuntimeError`` before :meth:`initialize_kv_cache`, ``ValueError`` on a page size
+        other than the pool's."""
         if not self.kv_caches:
             raise RuntimeError("call initialize_kv_cache before execute")
         if batch.page_size != self.params.page_size:
@@ -177,15 +193,14 @@ class TorchExecutor(Executor):
                 f"batch page_size {batch.page_size} differs from the KV pool's "
                 f"{self.params.page_size}"
             )
-        if self._unzeroed is not None:
-            self._zero_fresh_pages(self._unzeroed, batch.slot_mapping // batch.page_size)
-        batch = model_input_to(batch, self.device, non_blocking=True)
+
+    def compute_logits(self, batch: ModelInput) -> torch.Tensor:
+        """Forward of a batch already on the device: float32 logits [S, vocab_size]."""
         metadata = self.attention.build_metadata(batch)
-        with torch.inference_mode():
-            hidden = self.model.forward(
-                batch.input_ids, batch.positions, self.kv_caches, metadata
-            )  # [T, hidden_size]
-            return self.model.compute_logits(hidden[batch.logits_indices]).float()
+        hidden = self.forward_fn(
+            batch.input_ids, batch.positions, self.kv_caches, metadata
+        )  # [T, hidden_size]
+        return self.model.compute_logits(hidden[batch.logits_indices]).float()
 
     def _zero_fresh_pages(self, unzeroed: torch.Tensor, pages: torch.Tensor) -> None:
         """Zero the pages among ``pages`` (host tensor) that no step has touched yet."""
