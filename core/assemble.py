@@ -71,9 +71,15 @@ def build_executor(config: EngineConfig, registry: Registry) -> ModelPath:
         model_factory=architecture,
     )
     executor_station = config["executor"]
-    executor: Executor = registry.get("executor", config.plugin("executor")).factory(
-        params, executor_station.options
-    )
+    try:
+        executor: Executor = registry.get("executor", config.plugin("executor")).factory(
+            params, executor_station.options
+        )
+    except RuntimeError as exc:  # a device the chosen executor or backend cannot use
+        raise ConfigError(
+            f"{config.source}: executor {config.plugin('executor')!r} with attention "
+            f"{config.plugin('attention')!r} cannot start here: {exc}"
+        ) from exc
     num_pages = kv_pool_pages(executor, config)
     num_host_pages = _host_pages(executor, config)
     executor.initialize_kv_cache(num_pages, num_host_pages)

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from brigade.cli import main
 
@@ -63,6 +64,11 @@ def test_generate_with_a_created_model_and_a_prompts_file(
         ),
         (["generate", "--prompt", "x", "--set", "model.path=/nonexistent"], "/nonexistent"),
         (["model", "create", "--arch", "gpt2", "--out", "x"], "gpt2"),
+        pytest.param(
+            ["generate", "--prompt", "x", "--set", 'executor.plugin="cuda-graph"'],
+            "needs a CUDA GPU",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present"),
+        ),
     ],
 )
 def test_user_errors_are_one_line_messages(
