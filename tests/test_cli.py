@@ -86,3 +86,17 @@ def test_console_script_is_installed() -> None:
     result = subprocess.run([brigade, "config", "check"], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert "(defaults): OK" in result.stdout
+
+
+def test_serve_on_a_busy_port_fails_fast_with_one_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", "--port", str(port), "--set", "model.path=/nonexistent"]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}" in err

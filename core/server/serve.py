@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import signal
+import socket
 from typing import Any
 
 import structlog
 
 from brigade.config import EngineConfig, load_config
 from brigade.engine import EngineCore
+from brigade.errors import BrigadeError
 from brigade.registry import Registry, default_registry
 from brigade.server.app import ServerState, create_app
 from brigade.server.async_engine import AsyncEngine
@@ -53,6 +55,8 @@ def serve(config_path: str | None, overrides: list[str]) -> int:
     log = structlog.get_logger("brigade.server")
     registry = default_registry()
     config = load_config(config_path, registry, overrides=overrides)
+    # Take the port before loading the model: a busy port fails in a second, not a minute.
+    sock = _listen(config["server"].settings.host, config["server"].settings.port)
     state = build_state(config, registry)
     settings = state.settings
     engine = state.async_engine.engine
@@ -88,12 +92,25 @@ def serve(config_path: str | None, overrides: list[str]) -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         signal.signal(signal.SIGTERM, original)
         state.async_engine.shutdown()
         log.info("server_stopped")
     return 0
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise BrigadeError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def _print_example(host: str, port: int, model: str, auth: bool) -> None:
