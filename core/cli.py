@@ -88,6 +88,21 @@ def _build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--ignore-eos", action="store_true")
     generate.add_argument("--stop", action="append", default=[], help="a stop string")
     generate.set_defaults(handler=_cmd_generate)
+
+    bench = commands.add_parser("bench", help="compare configs on one workload over seeds")
+    bench.add_argument(
+        "--config", action="append", required=True, help="TOML config (repeatable: one column)"
+    )
+    bench.add_argument(
+        "--workload",
+        required=True,
+        help="a JSONL trace, or synthetic:requests=N,prompt=uniform:16:256,output=fixed:64,rate=8",
+    )
+    bench.add_argument("--seeds", type=int, default=1, help="repeat with seeds 0..N-1")
+    bench.add_argument("--slo", help="goodput thresholds, e.g. ttft=500ms,tpot=50ms")
+    bench.add_argument("--json", help="write the results as JSON to this file")
+    _add_override_flag(bench)
+    bench.set_defaults(handler=_cmd_bench)
     return parser
 
 
@@ -247,3 +262,16 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from brigade.bench.cli import run_bench
+
+    return run_bench(
+        args.config,
+        args.workload,
+        seeds=args.seeds,
+        slo=args.slo,
+        json_path=args.json,
+        overrides=args.set,
+    )

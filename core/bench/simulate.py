@@ -77,24 +77,31 @@ def run_simulation(
     workload: Sequence[WorkloadRequest],
     *,
     registry: Registry | None = None,
+    config_path: str | None = None,
 ) -> SimulationResult:
-    """Run ``workload`` on an engine built from ``config_overrides`` (``station.key=value``)
-    with the ``simulated`` executor; every request runs to its ``output_len``."""
+    """Run ``workload`` on an engine built from ``config_path`` (a TOML file, or the defaults)
+    and ``config_overrides`` (``station.key=value``) with the ``simulated`` executor; every
+    request runs to its ``output_len``."""
     # A simulated step does only small host tensor ops, where torch's intra-op thread pool
     # costs more than it saves (10x on a loaded machine); one thread for the run's duration.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _simulate(config_overrides, workload, registry or default_registry())
+        return _simulate(config_path, config_overrides, workload, registry or default_registry())
     finally:
         torch.set_num_threads(threads)
 
 
 def _simulate(
-    config_overrides: Sequence[str], workload: Sequence[WorkloadRequest], registry: Registry
+    config_path: str | None,
+    config_overrides: Sequence[str],
+    workload: Sequence[WorkloadRequest],
+    registry: Registry,
 ) -> SimulationResult:
     started = time.perf_counter()
-    config = load_config(None, registry, overrides=["executor.plugin=simulated", *config_overrides])
+    config = load_config(
+        config_path, registry, overrides=["executor.plugin=simulated", *config_overrides]
+    )
     engine = EngineCore(config, registry)
     executor = engine.executor
     if not hasattr(executor, "clock"):
