@@ -194,3 +194,14 @@ def test_bench_errors_are_one_line_messages(
     argv = ["bench", "--config", "x.toml", "--workload", "synthetic:requests=1", "--slo", "p=1"]
     assert main(argv) == 2
     assert capsys.readouterr().err.startswith("brigade: error: SLO term 'p=1'")
+
+
+def test_bench_on_the_default_model_builds_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("BRIGADE_CACHE_DIR", str(tmp_path / "cache"))
+    config = tmp_path / "default.toml"
+    config.write_text("[kv]\nnum_pages = 64\n")
+    spec = "synthetic:requests=3,prompt=fixed:8,output=fixed:4"
+    assert main(["bench", "--config", str(config), "--workload", spec]) == 0
+    assert "| output_throughput |" in capsys.readouterr().out
