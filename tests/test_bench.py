@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from test_simulated import LLAMA_3_70B
 
 from brigade.bench.cli import parse_workload
 from brigade.bench.report import (
@@ -21,20 +22,6 @@ from brigade.bench.report import (
 )
 from brigade.cli import main
 from brigade.models.create import create_model
-
-LLAMA_3_70B = {
-    "architectures": ["LlamaForCausalLM"],
-    "hidden_size": 8192,
-    "num_hidden_layers": 80,
-    "num_attention_heads": 64,
-    "num_key_value_heads": 8,
-    "intermediate_size": 28672,
-    "vocab_size": 128256,
-    "max_position_embeddings": 8192,
-    "eos_token_id": 128001,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0,
-}
 
 # -- report math ------------------------------------------------------------------------------
 

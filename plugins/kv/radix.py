@@ -32,6 +32,7 @@ from brigade.interfaces import (
     PageSizeRule,
     Request,
 )
+from brigade.plugins.kv.common import running_state
 
 __all__ = ["RadixKVManager", "RadixKVOptions"]
 
@@ -112,15 +113,9 @@ class RadixKVManager(KVManager):
 
     def allocate(self, request: Request, num_new_tokens: int) -> Allocation | None:
         """Match and lock the cached prefix on first call, then reserve pages; all or nothing."""
-        if num_new_tokens < 0:
-            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-        state = self._running.get(request.request_id)
+        state = running_state(self._running, request, num_new_tokens)
         if state is None:
             return self._admit(request, num_new_tokens)
-        if state.request is not request:
-            raise ValueError(
-                f"request id {request.request_id!r} already holds KV pages for another request"
-            )
         num_tokens = min(request.num_computed_tokens + num_new_tokens, request.num_tokens)
         num_new_pages = num_tokens - len(state.page_ids)
         if num_new_pages <= 0:
