@@ -6,7 +6,9 @@ server), outside the step loop.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -32,6 +34,11 @@ from brigade.persistent_batch import PersistentBatch
 from brigade.registry import Registry
 
 __all__ = ["EngineCore", "EngineStats", "StepUpdate", "TokenLogprob"]
+
+logger = logging.getLogger(__name__)
+
+GATE_WAIT_S = 0.01
+"""With nothing to run but requests waiting for their grammar, a step waits this long for one."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -73,6 +80,8 @@ class StepUpdate:
     new_token_ids: list[int]
     logprobs: list[TokenLogprob] | None
     finished: bool
+    error: str | None = None
+    """Why the request was refused after it was queued (its grammar failed to compile)."""
 
 
 class EngineCore:
@@ -116,8 +125,15 @@ class EngineCore:
             config["scheduler"].options,
         )
         self.device = torch.device(getattr(self.executor, "device", "cpu"))
-        self.sampler: Sampler = registry.get("sampler", config.plugin("sampler")).factory(
-            SamplerParams(settings.max_num_seqs, self.vocab_size, str(self.device)),
+        self.sampler_name = config.plugin("sampler")
+        self.sampler: Sampler = registry.get("sampler", self.sampler_name).factory(
+            SamplerParams(
+                settings.max_num_seqs,
+                self.vocab_size,
+                str(self.device),
+                model_dir=str(model.model_dir),
+                eos_token_ids=tuple(sorted(self.eos_token_ids)),
+            ),
             config["sampler"].options,
         )
         # An executor that returns token ids (no logits) leaves processors nothing to act on.
@@ -125,6 +141,9 @@ class EngineCore:
         self.processors: list[LogitsProcessor] = (
             [] if self._executor_returns_token_ids else list(self.sampler.logits_processors())
         )
+        self._grammar_stage = next((p for p in self.processors if p.structured_output), None)
+        self._gates: dict[Request, concurrent.futures.Future[Any]] = {}
+        """Requests waiting for their grammar, with its compile future."""
         self.batch = PersistentBatch(
             settings.max_num_seqs,
             self.max_model_len,
@@ -164,6 +183,26 @@ class EngineCore:
             if outside:
                 raise RequestError(f"{name} token id {outside[0]} is outside the vocabulary")
 
+    def prepare(self, params: SamplingParams) -> concurrent.futures.Future[Any] | None:
+        """Start compiling the request's grammar (None: it has none). Thread-safe.
+
+        The future fails with ``ValueError`` saying why when the grammar is invalid. The
+        server awaits it before answering, so a bad schema is a 400; a request added while
+        its grammar compiles waits behind a gate without holding pages. Raises
+        ``RequestError`` when this engine cannot constrain output at all.
+        """
+        if params.structured_output is None:
+            return None
+        if self._grammar_stage is None:
+            why = (
+                "this executor returns token ids, not logits"
+                if self._executor_returns_token_ids
+                else f"the configured sampler {self.sampler_name!r} has no grammar stage; "
+                'use [sampler] plugin = "xgrammar"'
+            )
+            raise RequestError(f"structured output is not available: {why}")
+        return self._grammar_stage.prepare(params)
+
     def add_request(
         self,
         request_id: str,
@@ -184,6 +223,13 @@ class EngineCore:
             arrival_time=time.monotonic(),
             priority=priority,
         )
+        gate = self.prepare(params)
+        if gate is not None:
+            if gate.done() and gate.exception() is not None:
+                raise RequestError(str(gate.exception()))
+            if not gate.done():
+                request.ready = False
+                self._gates[request] = gate
         if params.seed is not None:
             generator = torch.Generator(self.device)
             generator.manual_seed(params.seed)
@@ -197,6 +243,7 @@ class EngineCore:
         request = self.scheduler.abort(request_id)
         if request is None:
             return None
+        self._gates.pop(request, None)
         self._leave(request)
         return request
 
@@ -223,6 +270,7 @@ class EngineCore:
     @torch.inference_mode()
     def step(self) -> list[StepUpdate]:
         """Run one engine step; returns an update per request that got a token or finished."""
+        refused = self._open_gates() if self._gates else []
         output = self.scheduler.schedule()
         for request in output.preempted:
             if request in self.batch:
@@ -232,14 +280,20 @@ class EngineCore:
                 sources, targets = zip(*copies, strict=True)
                 self.executor.copy_pages(sources, targets)
         if output.is_empty:
-            return []
+            if self._gates:  # only requests waiting for their grammar: do not spin
+                concurrent.futures.wait(
+                    self._gates.values(),
+                    timeout=GATE_WAIT_S,
+                    return_when=concurrent.futures.FIRST_COMPLETED,
+                )
+            return refused
         for item in output.scheduled:
             if item.request not in self.batch:
                 self._take_row(item.request)
         plan = self.batch.prepare(output.scheduled, self.kv)
         result = self.executor.execute(plan.model_input)
         self.num_steps += 1
-        updates: list[StepUpdate] = []
+        updates: list[StepUpdate] = refused
         finished: list[Request] = []
         if plan.sampled:
             if self._executor_returns_token_ids:  # no logits: no processors, no sampler
@@ -251,9 +305,13 @@ class EngineCore:
             for processor in self.processors:
                 if processor.needs_tokens:
                     processor.accept_batch(plan.sampled_rows, tokens)
+            # Rows whose grammar is complete: nothing but a stop token could follow.
+            complete = set(self._grammar_stage.finished_rows()) if self._grammar_stage else ()
             for index, (request, token) in enumerate(zip(plan.sampled, tokens, strict=True)):
                 request.output_token_ids.append(token)
                 status = self._finish_status(request, token)
+                if status is None and plan.sampled_rows[index] in complete:
+                    status = RequestStatus.FINISHED_STOPPED
                 if status is not None:
                     request.status = status
                     finished.append(request)
@@ -267,11 +325,30 @@ class EngineCore:
             self._leave(request)
         return updates
 
+    def _open_gates(self) -> list[StepUpdate]:
+        """Let requests whose grammar is ready be scheduled; refuse those whose failed."""
+        refused = []
+        for request, gate in list(self._gates.items()):
+            if not gate.done():
+                continue
+            del self._gates[request]
+            error = gate.exception()
+            if error is None:
+                request.ready = True
+                continue
+            logger.warning("request %s refused: %s", request.request_id, error)
+            if self.scheduler.abort(request.request_id) is not None:
+                self._leave(request)
+                refused.append(StepUpdate(request, [], None, True, error=str(error)))
+        return refused
+
     def _sample(self, logits: torch.Tensor, rows: list[int]) -> tuple[list[int], Any]:
+        active = [processor for processor in self.processors if processor.is_active]
+        for processor in active:  # host work (bitmasks) while the device runs the model
+            processor.begin_step(rows)
         batch = self.batch.sampling_batch(rows, self.device)
-        for processor in self.processors:
-            if processor.is_active:
-                logits = processor.apply(logits, batch.rows)
+        for processor in active:
+            logits = processor.apply(logits, batch.rows)
         result = self.sampler.sample(logits, batch)
         tokens: list[int] = result.token_ids.tolist()  # the step's one device-to-host sync
         if result.logprobs is None or result.logprob_token_ids is None:

@@ -115,6 +115,7 @@ class LLM:
                 self.engine.validate(token_ids, params)
             except RequestError as exc:
                 raise RequestError(f"prompt {index}: {exc}") from None
+        self._check_grammars(params_list)
         results: list[RequestOutput] = []
         tracked: dict[str, _Tracked] = {}
         for prompt, token_ids, params, level in zip(
@@ -138,6 +139,22 @@ class LLM:
         self._run(tracked, use_tqdm)
         return results
 
+    def _check_grammars(self, params_list: Sequence[SamplingParams]) -> None:
+        """Compile every structured-output grammar (in parallel); raise on the first bad one."""
+        gates = []
+        for index, params in enumerate(params_list):
+            try:
+                gates.append((index, self.engine.prepare(params)))
+            except RequestError as exc:
+                raise RequestError(f"prompt {index}: {exc}") from None
+        for index, gate in gates:
+            if gate is None:
+                continue
+            try:
+                gate.result()
+            except ValueError as exc:
+                raise RequestError(f"prompt {index}: {exc}") from None
+
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             return list(self.tokenizer.encode(prompt, add_special_tokens=False))
@@ -152,6 +169,8 @@ class LLM:
             while remaining:
                 for update in self.engine.step():
                     entry = tracked[update.request.request_id]
+                    if update.error is not None:  # only if a grammar failed after _check
+                        raise RequestError(update.error)
                     if self._apply(entry, update.request, update.new_token_ids, update.logprobs):
                         remaining -= 1
                         bar.update(1)

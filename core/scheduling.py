@@ -41,6 +41,8 @@ class BatchScheduler(Scheduler):
         super().__init__(params, kv)
         self.running: list[Request] = []
         self.waiting: collections.deque[Request] = collections.deque()
+        self.gated: list[Request] = []
+        """Requests that are not ready yet (grammar compiling): queued once they are."""
         self.num_preemptions = 0
         # Swap preemption: host pages hold a victim's KV until it is admitted again.
         self._host_free: list[int] = list(params.host_pages)
@@ -84,10 +86,13 @@ class BatchScheduler(Scheduler):
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
-        self.enqueue(request, preempted=False)
+        if request.ready:
+            self.enqueue(request, preempted=False)
+        else:
+            self.gated.append(request)
 
     def abort(self, request_id: str) -> Request | None:
-        for queue in (self.running, self.waiting):
+        for queue in (self.running, self.waiting, self.gated):
             for request in queue:
                 if request.request_id == request_id:
                     queue.remove(request)
@@ -99,12 +104,16 @@ class BatchScheduler(Scheduler):
         return None
 
     def has_unfinished(self) -> bool:
-        return bool(self.running or self.waiting)
+        return bool(self.running or self.waiting or self.gated)
 
     def stats(self) -> SchedulerStats:
-        return SchedulerStats(len(self.running), len(self.waiting), self.num_preemptions)
+        return SchedulerStats(
+            len(self.running), len(self.waiting) + len(self.gated), self.num_preemptions
+        )
 
     def schedule(self) -> SchedulerOutput:
+        if self.gated:
+            self._open_gates()
         self._host_free.extend(self._host_released)
         self._host_released.clear()
         self._swap_out, self._swap_in = [], []
@@ -144,6 +153,16 @@ class BatchScheduler(Scheduler):
             self.running = [r for r in self.running if id(r) not in done]
 
     # -- mechanics ----------------------------------------------------------------------
+
+    def _open_gates(self) -> None:
+        """Queue the gated requests that became ready, in arrival order."""
+        still_gated = []
+        for request in self.gated:
+            if request.ready:
+                self.enqueue(request, preempted=False)
+            else:
+                still_gated.append(request)
+        self.gated = still_gated
 
     def _admit(
         self, budget: int, scheduled: list[ScheduledRequest], preempted: list[Request]

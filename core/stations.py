@@ -119,7 +119,13 @@ STATIONS: dict[str, Station] = {
         ),
         Station("executor", "executor", "torch", NoSettings, "Runs the forward pass."),
         Station("attention", "attention", "sdpa", NoSettings, "Reads and writes the paged KV."),
-        Station("sampler", "sampler", "standard", NoSettings, "Chooses tokens from logits."),
+        Station(
+            "sampler",
+            "sampler",
+            "xgrammar",
+            NoSettings,
+            "Chooses tokens from logits (xgrammar: standard sampling plus structured output).",
+        ),
         Station(
             "detokenizer",
             "detokenizer",

@@ -37,10 +37,10 @@ from brigade.interfaces.sampler import (
     SamplerParams,
     SamplingBatch,
 )
-from brigade.interfaces.sampling import SamplingParams
+from brigade.interfaces.sampling import STRUCTURED_OUTPUT_KINDS, SamplingParams, StructuredOutput
 from brigade.interfaces.scheduler import Scheduler, SchedulerParams, SchedulerStats
 
-API_VERSION = "1.0"
+API_VERSION = "1.1"
 """The plugin API version, "MAJOR.MINOR". MINOR grows when contracts gain backwards-compatible
 additions (a new optional method, a new field with a default): a plugin built for 1.0 runs on
 1.3, one built for 1.3 is refused by 1.0. MAJOR grows on any change that can break an existing
@@ -61,6 +61,7 @@ COMPONENT_KINDS: dict[str, type] = {
 __all__ = [
     "API_VERSION",
     "COMPONENT_KINDS",
+    "STRUCTURED_OUTPUT_KINDS",
     "Allocation",
     "AttentionBackend",
     "AttentionLayer",
@@ -91,6 +92,7 @@ __all__ = [
     "SchedulerOutput",
     "SchedulerParams",
     "SchedulerStats",
+    "StructuredOutput",
     "TextDelta",
     "hookimpl",
     "option",

@@ -53,6 +53,10 @@ class Request:
     num_cached_tokens: int = 0
     """Tokens served from the prefix cache at the latest admission."""
     num_preemptions: int = 0
+    ready: bool = True
+    """False while something the request needs before it may run is being prepared off the
+    step loop (its grammar compiling). Schedulers must not schedule a request that is not
+    ready; it holds no KV pages meanwhile. Core is the only writer."""
     first_scheduled_time: float | None = None
     """``time.monotonic()`` when the request first got a batch row (queue time ends)."""
 

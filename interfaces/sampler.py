@@ -5,9 +5,11 @@ from __future__ import annotations
 import abc
 import dataclasses
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, ClassVar
 
 from brigade.interfaces.request import Request
+from brigade.interfaces.sampling import SamplingParams
 
 if TYPE_CHECKING:
     import torch
@@ -23,6 +25,11 @@ class SamplerParams:
     """Persistent-batch rows: every ``row`` argument is below this."""
     vocab_size: int
     device: str
+    model_dir: str | None = None
+    """The served model's directory (tokenizer files), for stages that need the vocabulary's
+    strings (grammars); None when there is none (simulated executors, unit tests)."""
+    eos_token_ids: tuple[int, ...] = ()
+    """Token ids that end a generation (the model's EOS ids)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -73,13 +80,20 @@ class LogitsProcessor(abc.ABC):
     registered with :meth:`add`, or removed since, must be left untouched.
 
     Lifecycle: core calls :meth:`add` when a request takes a row (again after a preemption,
-    with its emitted tokens already in ``request.output_token_ids``), :meth:`apply` each step
-    while :attr:`is_active`, :meth:`accept_batch` with every step's sampled tokens, and
-    :meth:`remove` when the request leaves its row.
+    with its emitted tokens already in ``request.output_token_ids``), :meth:`begin_step` and
+    :meth:`apply` each step while :attr:`is_active`, :meth:`accept_batch` with every step's
+    sampled tokens, and :meth:`remove` when the request leaves its row.
+
+    A grammar stage (:attr:`structured_output` True) also gets :meth:`prepare` for every
+    request with ``sampling_params.structured_output`` before it may run, and reports rows
+    whose grammar is complete through :meth:`finished_rows`.
     """
 
     needs_tokens: ClassVar[bool] = True
     """False when :meth:`accept_batch` is a no-op, so core can skip the call."""
+    structured_output: ClassVar[bool] = False
+    """True for a stage that enforces ``SamplingParams.structured_output``. Core refuses a
+    structured request when no stage of the sampler says so (never an unconstrained answer)."""
 
     @abc.abstractmethod
     def add(self, row: int, request: Request) -> None:
@@ -109,6 +123,28 @@ class LogitsProcessor(abc.ABC):
     def rollback(self, row: int, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` accepted tokens (speculative decoding)."""
         raise NotImplementedError(f"{type(self).__name__} does not support rollback")
+
+    def begin_step(self, rows: Sequence[int]) -> None:  # noqa: B027 - optional
+        """Host-side work for the coming :meth:`apply`, given the persistent rows it will see
+        (in logits order). Core calls it after launching the model step, so on a GPU this
+        work (a grammar's token bitmasks) overlaps the forward pass."""
+
+    def prepare(self, params: SamplingParams) -> Future[None] | None:
+        """Start slow per-request work (compiling a grammar) off the step loop.
+
+        Called for every request whose ``params.structured_output`` is set, possibly from a
+        thread other than the engine's (the server checks grammars before it answers), so it
+        must be thread-safe. Core keeps the request unscheduled (``Request.ready`` False,
+        holding no KV pages) until the future is done. A future that fails with
+        ``ValueError`` means the request is invalid; its message says why. None: nothing to
+        wait for.
+        """
+        return None
+
+    def finished_rows(self) -> Sequence[int]:
+        """Rows whose output is complete after the latest :meth:`accept_batch` (the grammar
+        can only end there); core finishes their requests with reason ``stop``."""
+        return ()
 
 
 class Sampler(abc.ABC):

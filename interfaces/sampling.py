@@ -3,10 +3,65 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Mapping
 
-__all__ = ["SamplingParams"]
+__all__ = ["STRUCTURED_OUTPUT_KINDS", "SamplingParams", "StructuredOutput"]
+
+STRUCTURED_OUTPUT_KINDS = ("json", "json_schema", "regex", "ebnf", "structural_tag")
+"""What a :class:`StructuredOutput` can constrain to (see its ``kind``)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """A grammar the generated text must match, enforced token by token by a grammar stage.
+
+    ``kind`` says how ``spec`` is read:
+
+    - ``json``: any JSON object (``spec`` empty);
+    - ``json_schema``: JSON matching the JSON schema in ``spec`` (JSON text);
+    - ``regex``: text that fully matches the regular expression ``spec``;
+    - ``ebnf``: text derived from the EBNF grammar ``spec`` (root rule ``root``);
+    - ``structural_tag``: free text with tagged regions in given formats, ``spec`` being an
+      XGrammar structural tag as JSON text (tool calls are built on this).
+
+    Equal values compile to the same grammar, so the pair is the grammar cache's key.
+    """
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        _require(
+            self.kind in STRUCTURED_OUTPUT_KINDS,
+            "structured_output.kind",
+            self.kind,
+            f"one of {', '.join(STRUCTURED_OUTPUT_KINDS)}",
+        )
+        if self.kind == "json":
+            _require(not self.spec, "structured_output.spec", self.spec, "empty for kind json")
+            return
+        _require(
+            isinstance(self.spec, str) and bool(self.spec),
+            "structured_output.spec",
+            self.spec,
+            f"a non-empty string for kind {self.kind}",
+        )
+        if self.kind in ("json_schema", "structural_tag"):
+            try:
+                value = json.loads(self.spec)
+            except ValueError as exc:
+                raise ValueError(
+                    f"sampling parameter structured_output.spec is invalid: the {self.kind} "
+                    f"is not valid JSON ({exc})"
+                ) from None
+            _require(
+                isinstance(value, dict | bool),
+                "structured_output.spec",
+                self.spec[:80],
+                f"a JSON object for kind {self.kind}",
+            )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -42,6 +97,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     n: int = 1
+    structured_output: StructuredOutput | None = None
+    """Constrain the output to a grammar (JSON schema, regex, ...); needs a sampler with a
+    grammar stage (``xgrammar``)."""
 
     def __post_init__(self) -> None:
         _require(self.max_tokens >= 1, "max_tokens", self.max_tokens, "an integer >= 1")

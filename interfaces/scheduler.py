@@ -41,6 +41,10 @@ class Scheduler(abc.ABC):
     when a running request cannot grow), and writes ``status``, ``num_computed_tokens`` and
     ``num_preemptions`` of its requests. Core appends sampled tokens and decides when a request
     is finished; it then calls :meth:`update` and frees the pages.
+
+    Readiness gate: a request whose ``ready`` is False (its grammar is still compiling) is
+    queued but must not be scheduled, nor hold KV pages, until core sets ``ready``; requests
+    behind it may go first.
     """
 
     def __init__(self, params: SchedulerParams, kv: KVManager) -> None:

@@ -17,6 +17,7 @@ from brigade.plugins.kv.paged import PagedKVManager, PagedKVOptions
 from brigade.plugins.kv.radix import RadixKVManager, RadixKVOptions
 from brigade.plugins.models.architectures import ARCHITECTURES
 from brigade.plugins.samplers.standard import StandardSampler, StandardSamplerOptions
+from brigade.plugins.samplers.xgrammar_sampler import XGrammarSampler, XGrammarSamplerOptions
 from brigade.plugins.schedulers.fcfs import FcfsOptions, FcfsScheduler
 from brigade.plugins.schedulers.priority import PriorityOptions, PriorityScheduler
 
@@ -35,6 +36,7 @@ def brigade_register(registry: ComponentRegistry) -> None:
     registry.add("attention", "triton", TritonBackend, options=TritonAttentionOptions)
     registry.add("attention", "flash-attn", FlashAttentionBackend)
     registry.add("sampler", "standard", StandardSampler, options=StandardSamplerOptions)
+    registry.add("sampler", "xgrammar", XGrammarSampler, options=XGrammarSamplerOptions)
     registry.add(
         "detokenizer", "incremental", IncrementalDetokenizer, options=IncrementalDetokenizerOptions
     )
