@@ -54,7 +54,7 @@ __all__ = [
 
 # Bump whenever the recipe (init scheme, config defaults, tokenizer setup) changes, so that
 # default_model_dir() builds a fresh cache entry instead of reusing a stale one.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
 SIZES = ("tiny", "small")

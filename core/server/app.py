@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hmac
 import time
@@ -15,6 +16,7 @@ from litestar.exceptions import HTTPException
 from litestar.response import Stream
 
 from brigade.errors import RequestError
+from brigade.interfaces import SamplingParams
 from brigade.server import protocol as proto
 from brigade.server import responses as out
 from brigade.server import streaming
@@ -151,11 +153,13 @@ def _handlers(state: ServerState) -> list[Any]:
     async def chat(request: Request[Any, Any, Any]) -> Response[out.ChatCompletion] | Stream:
         body = proto.decode_json(await _body(request, state), proto.ChatCompletionRequest)
         _check_model(state, body.model)
-        prompt = _chat_prompt(state, body.messages, True)
+        prompt = _chat_prompt(state, body.messages, True, tools=body.tools)
         params = proto.sampling_params(
             body, default_max_tokens=max(1, state.max_model_len - len(prompt))
         )
+        calls_tools = body.tool_choice_spec() is not None
         _admit(state, request, [prompt], params.max_tokens * params.n)
+        await _prepare_grammar(state, params, "tools" if calls_tools else "response_format")
         response_id = out.new_chat_id()
         deltas = await _first(
             state.frontend.generate(response_id, prompt, params, priority=body.priority or 0)
@@ -172,6 +176,7 @@ def _handlers(state: ServerState) -> list[Any]:
                     prompt_tokens=len(prompt),
                     want_logprobs=want_logprobs,
                     include_usage=bool(body.stream_options and body.stream_options.include_usage),
+                    tool_calls=calls_tools,
                 )
             )
         collected = await streaming.collect(deltas, want_logprobs=want_logprobs)
@@ -184,6 +189,7 @@ def _handlers(state: ServerState) -> list[Any]:
                 collected,
                 usage,
                 tokenizer=state.tokenizer,
+                tool_calls=calls_tools,
             )
         )
 
@@ -199,6 +205,7 @@ def _handlers(state: ServerState) -> list[Any]:
             except RequestError as exc:
                 raise ProtocolError(f"prompt {index}: {exc}", param="prompt") from None
         _admit(state, request, prompts, params.max_tokens * params.n * len(prompts))
+        await _prepare_grammar(state, params, "response_format")
         response_id = out.new_completion_id()
         priority = body.priority or 0
         deltas = await _first(
@@ -268,10 +275,13 @@ def _check_model(state: ServerState, model: str | None) -> None:
         )
 
 
-def _chat_prompt(state: ServerState, messages: Sequence[Any], generation_prompt: bool) -> list[int]:
+def _chat_prompt(
+    state: ServerState, messages: Sequence[Any], generation_prompt: bool, *, tools: Any = None
+) -> list[int]:
     try:
         tokens = state.tokenizer.apply_chat_template(
             proto.template_messages(messages),
+            tools=tools or None,
             add_generation_prompt=generation_prompt,
             tokenize=True,
         )
@@ -311,6 +321,18 @@ def _admit(
             retry_after=retry_after,
             limit=limit,
         )
+
+
+async def _prepare_grammar(state: ServerState, params: SamplingParams, param: str) -> None:
+    """Compile the request's grammar before answering (off the engine's step loop): an
+    invalid one is a 400 naming ``param``, before any token is generated."""
+    engine = state.async_engine.engine
+    try:
+        gate = engine.prepare(params)
+        if gate is not None:
+            await asyncio.wrap_future(gate)
+    except (RequestError, ValueError) as exc:
+        raise ProtocolError(str(exc), param=param) from None
 
 
 async def _first(stream: AsyncGenerator[ChoiceDelta, None]) -> AsyncGenerator[ChoiceDelta, None]:

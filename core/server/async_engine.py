@@ -88,6 +88,9 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
+                if item.error is not None:
+                    finished = True
+                    raise RequestError(item.error)
                 if not started:
                     started = True
                     self._num_unstarted -= 1

@@ -1,22 +1,27 @@
 """The OpenAI wire protocol, request side: msgspec structs, body decoding, SamplingParams.
 
 Unknown fields are ignored, as OpenAI does. Known fields that would change what is generated
-but that Brigade does not implement (``tools``, ``response_format``, ``best_of``, ``echo``,
-``suffix``, image or audio content, ...) are rejected with a 400 naming the field, rather than
-silently ignored. Every check raises ``ProtocolError`` with ``param`` set to the field's path
-(``max_tokens``, ``messages[0].content``).
+but that Brigade does not implement (``functions``, ``best_of``, ``echo``, ``suffix``, image or
+audio content, ...) are rejected with a 400 naming the field, rather than silently ignored.
+
+``response_format`` takes OpenAI's ``text``, ``json_object`` and ``json_schema`` types plus two
+Brigade extensions: ``{"type": "regex", "regex": "..."}`` and ``{"type": "ebnf", "ebnf":
+"..."}`` (XGrammar EBNF, root rule ``root``). Every check raises ``ProtocolError`` with
+``param`` set to the field's path (``max_tokens``, ``messages[0].content``).
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 from typing import Annotated, Any, TypeVar
 
 import msgspec
 
-from brigade.interfaces import SamplingParams
+from brigade.interfaces import SamplingParams, StructuredOutput
 from brigade.server.errors import ErrorResponse, ProtocolError
+from brigade.server.tools import ToolChoice, parse_tools
 
 __all__ = [
     "ChatCompletionRequest",
@@ -38,8 +43,9 @@ Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 """A 64-bit seed, as OpenAI's; torch generators take no more (choice i of n uses seed + i)."""
 MAX_N = 128
 """Most choices per prompt (OpenAI's limit), so one request cannot flood the engine."""
-ROLES = ("system", "developer", "user", "assistant")
-"""Message roles we accept; tool and function messages need tool calling (not supported)."""
+ROLES = ("system", "developer", "user", "assistant", "tool")
+"""Message roles we accept (``function`` messages belong to the deprecated functions API)."""
+RESPONSE_FORMATS = ("text", "json_object", "json_schema", "regex", "ebnf")
 
 
 class StreamOptions(msgspec.Struct, omit_defaults=True):
@@ -63,7 +69,9 @@ class ChatMessage(msgspec.Struct, omit_defaults=True):
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: Any = None
-    """Accepted only when empty: tool calling is not supported."""
+    """An assistant turn's calls, in OpenAI's shape (sent back with the tools' results)."""
+    tool_call_id: str | None = None
+    """A ``tool`` message: the call it answers."""
 
     def text(self) -> str:
         """The content as one string (text parts joined by newlines, as vLLM does)."""
@@ -109,8 +117,11 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
             raise ProtocolError(
                 "stream_options is only allowed when stream is true.", param="stream_options"
             )
-        if self.response_format is not None and _format_type(self.response_format) != "text":
-            _unsupported("response_format", "structured output (json_object / json_schema)")
+        self.structured_output()  # validates response_format
+
+    def structured_output(self) -> StructuredOutput | None:
+        """``response_format`` as a grammar, or None for plain text."""
+        return _response_format(self.response_format)
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -123,6 +134,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
     tools: Any = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     functions: Any = None
     function_call: Any = None
     audio: Any = None
@@ -131,17 +143,33 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
 
     def __post_init__(self) -> None:
         self._check_common()
-        for name in ("tools", "functions"):
-            if getattr(self, name):
-                _unsupported(name, "tool calling")
-        for name in ("tool_choice", "function_call"):
-            if getattr(self, name) not in (None, "none"):
-                _unsupported(name, "tool calling")
+        if self.functions:
+            _unsupported("functions", "the deprecated functions API; use tools")
+        if self.function_call not in (None, "none"):
+            _unsupported("function_call", "the deprecated functions API; use tool_choice")
+        choice = self.tool_choice_spec()
+        if choice is not None and _response_format(self.response_format) is not None:
+            raise ProtocolError(
+                "response_format cannot be combined with tool calls; set tool_choice to "
+                '"none" or drop response_format.',
+                param="response_format",
+            )
         if self.audio is not None or (self.modalities and self.modalities != ["text"]):
             _unsupported("audio" if self.audio is not None else "modalities", "audio output")
         if self.web_search_options is not None:
             _unsupported("web_search_options", "web search")
         _check_messages(self.messages)
+
+    def tool_choice_spec(self) -> ToolChoice | None:
+        """The tools the model may or must call, or None when it may call none."""
+        return parse_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The grammar of the answer: ``response_format``'s, or the tool calls'."""
+        choice = self.tool_choice_spec()
+        if choice is not None:
+            return choice.structured_output()
+        return _response_format(self.response_format)
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -220,20 +248,44 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     model: str | None = None
 
 
-def template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
-    """Messages as the plain dicts a chat template reads: role, content and name if given.
+def template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the plain dicts a chat template reads: role, content, name, tool calls.
 
     A ``developer`` message becomes a ``system`` one: OpenAI's new name for the same turn,
-    which chat templates do not know.
+    which chat templates do not know. Tool-call arguments arrive as JSON text and are handed
+    to the template parsed (the Hugging Face convention).
     """
     out = []
     for message in messages:
         role = "system" if message.role == "developer" else message.role
-        item = {"role": role, "content": message.text()}
+        item: dict[str, Any] = {"role": role, "content": message.text()}
         if message.name is not None:
             item["name"] = message.name
+        if message.tool_call_id is not None:
+            item["tool_call_id"] = message.tool_call_id
+        if message.tool_calls:
+            item["tool_calls"] = [
+                {
+                    "id": call.get("id"),
+                    "type": "function",
+                    "function": {
+                        "name": call["function"]["name"],
+                        "arguments": _json_or_text(call["function"].get("arguments", "{}")),
+                    },
+                }
+                for call in message.tool_calls
+            ]
         out.append(item)
     return out
+
+
+def _json_or_text(arguments: Any) -> Any:
+    if not isinstance(arguments, str):
+        return arguments
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
 
 
 def decode_json(body: bytes, type_: type[T]) -> T:
@@ -288,6 +340,7 @@ def sampling_params(
             include_stop_str_in_output=request.include_stop_str_in_output,
             skip_special_tokens=request.skip_special_tokens,
             n=1 if request.n is None else request.n,
+            structured_output=request.structured_output(),
         )
     except ValueError as exc:
         message = str(exc).removeprefix("sampling parameter ")
@@ -319,13 +372,14 @@ def _check_messages(messages: Sequence[ChatMessage]) -> None:
         at = f"messages[{index}]"
         if message.role not in ROLES:
             raise ProtocolError(
-                f"role {message.role!r} is not supported: expected one of {', '.join(ROLES)} "
-                "(tool and function messages need tool calling, which is not supported yet).",
+                f"role {message.role!r} is not supported: expected one of {', '.join(ROLES)}.",
                 param=f"{at}.role",
                 code="unsupported_value",
             )
         if message.tool_calls:
-            _unsupported(f"{at}.tool_calls", "tool calling")
+            _check_tool_calls(message.tool_calls, at)
+        if message.role == "tool" and message.tool_call_id is None:
+            raise ProtocolError("a tool message needs tool_call_id.", param=f"{at}.tool_call_id")
         if message.content is None and message.role != "assistant":
             raise ProtocolError(f"a {message.role} message needs content.", param=f"{at}.content")
         parts = message.content if isinstance(message.content, list) else []
@@ -347,8 +401,55 @@ def _unsupported(param: str, feature: str) -> None:
     )
 
 
-def _format_type(response_format: object) -> object:
-    return response_format.get("type") if isinstance(response_format, dict) else response_format
+def _check_tool_calls(calls: Any, at: str) -> None:
+    if not isinstance(calls, list):
+        raise ProtocolError("tool_calls must be a list.", param=f"{at}.tool_calls")
+    for index, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ProtocolError(
+                'a tool call is {"id": ..., "type": "function", "function": {"name": ..., '
+                '"arguments": "<JSON>"}}.',
+                param=f"{at}.tool_calls[{index}]",
+            )
+
+
+def _response_format(response_format: Any) -> StructuredOutput | None:
+    """``response_format`` as a grammar (None for text); ``ProtocolError`` when malformed."""
+    if response_format is None:
+        return None
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind not in RESPONSE_FORMATS:
+        raise ProtocolError(
+            f"response_format.type must be one of {', '.join(RESPONSE_FORMATS)}; got {kind!r}.",
+            param="response_format.type",
+            code="unsupported_value",
+        )
+    assert isinstance(response_format, dict)
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput("json")
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict):
+            raise ProtocolError(
+                'json_schema response format needs "json_schema": {"name": ..., "schema": {...}}.',
+                param="response_format.json_schema",
+            )
+        schema = spec.get("schema", {"type": "object"})
+        if not isinstance(schema, dict | bool):
+            raise ProtocolError(
+                "the schema must be a JSON object.", param="response_format.json_schema.schema"
+            )
+        return StructuredOutput("json_schema", json.dumps(schema, sort_keys=True))
+    text = response_format.get(kind)
+    if not isinstance(text, str) or not text:
+        raise ProtocolError(
+            f'a {kind} response format needs "{kind}": a non-empty string.',
+            param=f"response_format.{kind}",
+        )
+    return StructuredOutput(kind, text)
 
 
 def _default(value: float | None, default: float) -> float:

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol, TypedDict
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
 import msgspec
+
+from brigade.server.tools import parse_tool_calls, tool_call_dicts
 
 if TYPE_CHECKING:  # brigade.engine imports torch; the wire protocol does not need it
     from brigade.engine import TokenLogprob
@@ -108,9 +110,11 @@ class CompletionLogprobs(TypedDict):
     text_offset: list[int]
 
 
-class ChatMessageOut(msgspec.Struct):
-    content: str
-    role: str = "assistant"
+class ChatMessageOut(msgspec.Struct, omit_defaults=True):
+    content: str | None
+    """Null when the answer is only tool calls (sent as null, as OpenAI does)."""
+    role: str
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChoice(msgspec.Struct):
@@ -118,7 +122,7 @@ class ChatChoice(msgspec.Struct):
     message: ChatMessageOut
     logprobs: ChatLogprobs | None
     finish_reason: str | None
-    """'stop', 'length', or 'abort' (Brigade's: the request was cancelled)."""
+    """'stop', 'length', 'tool_calls', or 'abort' (Brigade's: the request was cancelled)."""
 
 
 class ChatCompletion(msgspec.Struct, kw_only=True):
@@ -133,6 +137,7 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
 class Delta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):
@@ -214,17 +219,31 @@ def chat_response(
     usage: Usage,
     *,
     tokenizer: TokenizerLike | None = None,
+    tool_calls: bool = False,
 ) -> ChatCompletion:
-    """A whole chat completion; ``tokenizer`` is needed when an output carries logprobs."""
-    choices = [
-        ChatChoice(
-            output.index,
-            ChatMessageOut(output.text),
-            None if output.logprobs is None else chat_logprobs(output.logprobs, _need(tokenizer)),
-            output.finish_reason,
+    """A whole chat completion; ``tokenizer`` is needed when an output carries logprobs.
+
+    With ``tool_calls``, each answer's ``<tool_call>`` blocks become the message's
+    ``tool_calls`` (finish reason ``tool_calls``) and the rest its content.
+    """
+    choices = []
+    for output in outputs:
+        message = ChatMessageOut(output.text, "assistant")
+        finish_reason = output.finish_reason
+        if tool_calls:
+            content, calls = parse_tool_calls(output.text)
+            message = ChatMessageOut(content, "assistant", tool_call_dicts(calls) or None)
+            if calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
+        logprobs = output.logprobs
+        choices.append(
+            ChatChoice(
+                output.index,
+                message,
+                None if logprobs is None else chat_logprobs(logprobs, _need(tokenizer)),
+                finish_reason,
+            )
         )
-        for output in outputs
-    ]
     return ChatCompletion(
         id=response_id, created=created, model=model, choices=choices, usage=usage
     )
@@ -240,9 +259,10 @@ def chat_chunk(
     content: str | None = None,
     logprobs: ChatLogprobs | None = None,
     finish_reason: str | None = None,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> ChatCompletionChunk:
     """One streaming chunk of one choice; the first of a choice sets ``role='assistant'``."""
-    choice = ChatChunkChoice(index, Delta(role, content), logprobs, finish_reason)
+    choice = ChatChunkChoice(index, Delta(role, content, tool_calls), logprobs, finish_reason)
     return ChatCompletionChunk(id=response_id, created=created, model=model, choices=[choice])
 
 

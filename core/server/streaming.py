@@ -11,6 +11,7 @@ from typing import Any
 from brigade.engine import TokenLogprob
 from brigade.server import responses as out
 from brigade.server.frontend import ChoiceDelta
+from brigade.server.tools import ToolCallStream, tool_call_dicts
 
 __all__ = ["Collected", "chat_events", "collect", "completion_events", "merge", "prepend"]
 
@@ -52,9 +53,16 @@ async def chat_events(
     prompt_tokens: int,
     want_logprobs: bool,
     include_usage: bool,
+    tool_calls: bool = False,
 ) -> AsyncGenerator[bytes, None]:
-    """SSE events of a streamed chat completion, ending with ``data: [DONE]``."""
+    """SSE events of a streamed chat completion, ending with ``data: [DONE]``.
+
+    With ``tool_calls``, text is streamed as content until a ``<tool_call>`` opens; each call
+    is sent as one ``tool_calls`` delta once it is complete, and a choice that made calls
+    finishes with ``tool_calls``.
+    """
     started: set[int] = set()
+    parsers: dict[int, ToolCallStream] = {}
     completion_tokens = 0
     async with aclosing(deltas):
         async for delta in deltas:
@@ -64,15 +72,28 @@ async def chat_events(
             logprobs = None
             if want_logprobs and delta.logprobs:
                 logprobs = out.chat_logprobs(delta.logprobs, tokenizer)
+            content: str | None = delta.text
+            calls = None
+            finish_reason = delta.finish_reason
+            if tool_calls:
+                parser = parsers.setdefault(delta.index, ToolCallStream())
+                first = parser.num_calls
+                content, parsed = parser.feed(delta.text, final=finish_reason is not None)
+                calls = tool_call_dicts(parsed, first_index=first) or None
+                if finish_reason == "stop" and parser.num_calls:
+                    finish_reason = "tool_calls"
+                if calls and not content:
+                    content = None
             chunk = out.chat_chunk(
                 response_id,
                 model,
                 created,
                 index=delta.index,
                 role=role,
-                content=delta.text,
+                content=content,
                 logprobs=logprobs,
-                finish_reason=delta.finish_reason,
+                finish_reason=finish_reason,
+                tool_calls=calls,
             )
             yield out.sse_event(chunk)
     if include_usage:
