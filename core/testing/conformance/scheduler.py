@@ -106,6 +106,34 @@ def check_scheduler(
     assert scheduler.abort("unknown") is None
     assert kv.num_free_pages() == 40, "abort did not free the running request's pages"
     assert not scheduler.has_unfinished()
+    _check_readiness_gate(factory(params, kv, options), kv, page_size)
+
+
+def _check_readiness_gate(scheduler: Scheduler, kv: KVManager, page_size: int) -> None:
+    """A request that is not ready (grammar compiling) waits without pages; others go on."""
+    gated, other = _requests(2, prompt_lens=(6,), max_tokens=(3,))
+    gated.ready = False
+    free = kv.num_free_pages()
+    scheduler.add(gated)
+    scheduler.add(other)
+    for _ in range(3):
+        plan = scheduler.schedule()
+        _check_plan(scheduler, kv, plan, page_size)
+        assert all(s.request is not gated for s in plan.scheduled), "scheduled a gated request"
+        assert not kv.block_table(gated), "a gated request holds KV pages"
+        assert any(s.request is other for s in plan.scheduled), "the gate blocked another request"
+        scheduler.update(plan, [])
+        for item in plan.scheduled:
+            kv.commit(item.request)
+            item.request.output_token_ids.append(7)
+    assert scheduler.has_unfinished()
+    assert scheduler.stats().num_waiting >= 1, "a gated request must count as waiting"
+    gated.ready = True
+    plan = scheduler.schedule()
+    assert any(s.request is gated for s in plan.scheduled), "a ready request was not admitted"
+    for request in (gated, other):
+        scheduler.abort(request.request_id)
+    assert kv.num_free_pages() == free, "pages leaked after the gate test"
 
 
 def _requests(
