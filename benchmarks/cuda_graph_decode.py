@@ -1,4 +1,4 @@
-"""Decode tokens/s on one GPU: the eager ``torch`` executor vs the ``cuda-graph`` executor.
+"""Decode and mixed-step speed on one GPU: the eager ``torch`` executor vs ``cuda-graph``.
 
 A Llama-shaped model of about 1B parameters (hidden 2048, 16 layers, 32 query / 8 KV heads,
 MLP 8192, vocabulary of the local tokenizer) is built locally with random bf16 weights. For
@@ -6,11 +6,17 @@ each decode batch size, every row has a context of ``--context`` tokens; ``--ste
 steps are timed after ``--warmup`` (wall clock around ``execute``, synchronised), so host
 overhead counts, as it does in the engine. Both executors use the ``triton`` backend.
 
-    python benchmarks/cuda_graph_decode.py               # batch 1, 8, 64 at context 512
+Mixed steps (``--mixed D+C``, chunked prefill's steady state): ``D`` decode rows at context
+``--context`` next to a ``C``-token prefill chunk that ends at the same context; the
+cuda-graph executor runs them in piecewise graphs (dense layers replayed per token bucket,
+attention eager), padded up to the nearest of its default ``mixed_capture_tokens``.
 
-Prints a markdown table: tokens/s of each executor and cuda-graph/eager (above 1 = graphs
-faster), then the batch-1 step time next to the memory-bandwidth limit (weight bytes /
-``--bandwidth``, 4.8 TB/s for an H200) as a ratio. Refuses to run without CUDA.
+    python benchmarks/cuda_graph_decode.py    # batch 1, 8, 64; mixed 8+8, 32+256, 64+448
+
+Prints markdown tables: decode tokens/s of each executor and cuda-graph/eager (above 1 = graphs
+faster); mixed-step times and eager/cuda-graph (above 1 = graphs faster); then the batch-1
+step time next to the memory-bandwidth limit (weight bytes / ``--bandwidth``, 4.8 TB/s for an
+H200) as a ratio. Refuses to run without CUDA.
 """
 
 from __future__ import annotations
@@ -62,6 +68,49 @@ def decode_tokens_per_second(
     return batch_size / seconds, seconds
 
 
+def mixed_step_seconds(
+    executor: Executor, num_decodes: int, chunk: int, context: int, steps: int, warmup: int
+) -> float:
+    """Seconds per step of ``num_decodes`` decodes next to one ``chunk``-token prefill chunk.
+
+    Every row ends the step at ``context`` tokens; the same step is repeated (it rewrites the
+    same KV slots), so each repetition does the same work.
+    """
+    pages_per_row = -(-context // PAGE_SIZE)
+    tables = [
+        list(range(r * pages_per_row, (r + 1) * pages_per_row)) for r in range(num_decodes + 1)
+    ]
+    prompt = [(7 * i) % 200 + 3 for i in range(context)]
+    executor.execute(
+        build_model_input([SeqChunk(prompt[:-1], 0, t) for t in tables[:-1]], PAGE_SIZE)
+    )
+    executor.execute(build_model_input([SeqChunk(prompt[:-chunk], 0, tables[-1])], PAGE_SIZE))
+    step = build_model_input(
+        [SeqChunk([5], context - 1, t) for t in tables[:-1]]
+        + [SeqChunk(prompt[-chunk:], context - chunk, tables[-1])],
+        PAGE_SIZE,
+    )
+    for _ in range(warmup):
+        executor.execute(step)
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(steps):
+        executor.execute(step)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - started) / steps
+
+
+def parse_mixed(spec: str) -> tuple[int, int]:
+    """'32+256' -> (32 decodes, a 256-token chunk)."""
+    decodes, _, chunk = spec.partition("+")
+    try:
+        return int(decodes), int(chunk)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected DECODES+CHUNK such as 32+256, got {spec!r}"
+        ) from None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
@@ -69,14 +118,27 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--bandwidth", type=float, default=4.8e12, help="bytes/s (H200)")
+    parser.add_argument(
+        "--mixed",
+        type=parse_mixed,
+        nargs="*",
+        default=[(8, 8), (32, 256), (64, 448)],
+        help="mixed steps DECODES+CHUNK to time (chunk <= --context)",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("cuda_graph_decode.py needs a CUDA GPU")
+    if any(chunk < 1 or chunk >= args.context for _, chunk in args.mixed):
+        raise SystemExit("--mixed: every chunk must be between 1 and --context - 1 tokens")
     with tempfile.TemporaryDirectory() as tmp:
         model = create_model(Path(tmp) / "llama-1b", "llama", dtype="bfloat16", overrides=SHAPE)
         weight_bytes = (model / "model.safetensors").stat().st_size
-        pages = max(args.batches) * -(-(args.context + args.warmup + args.steps + 1) // PAGE_SIZE)
+        pages = max(
+            max(args.batches) * -(-(args.context + args.warmup + args.steps + 1) // PAGE_SIZE),
+            max((d + 1 for d, _ in args.mixed), default=0) * -(-args.context // PAGE_SIZE),
+        )
         results: dict[str, dict[int, tuple[float, float]]] = {}
+        mixed: dict[str, dict[tuple[int, int], float]] = {}
         for name in ("eager", "cuda-graph"):
             params = ExecutorParams(
                 model_path=str(model),
@@ -102,6 +164,13 @@ def main() -> None:
                 )
                 for size in args.batches
             }
+            mixed[name] = {
+                (decodes, chunk): mixed_step_seconds(
+                    executor, decodes, chunk, args.context, args.steps, args.warmup
+                )
+                for decodes, chunk in args.mixed
+            }
+            buckets = getattr(getattr(executor, "pieces", None), "capture_tokens", ())
             executor.shutdown()
     print(f"\nmodel: {weight_bytes / 1e9:.2f} GB of bf16 weights; context {args.context}")
     print("| decode batch | eager tok/s | cuda-graph tok/s | cuda-graph / eager |")
@@ -109,6 +178,23 @@ def main() -> None:
     for size in args.batches:
         eager, graphed = results["eager"][size][0], results["cuda-graph"][size][0]
         print(f"| {size} | {eager:,.0f} | {graphed:,.0f} | {graphed / eager:.2f} |")
+    if args.mixed:
+        print(f"\nmixed steps (decodes at context {args.context} + one prefill chunk):")
+        print(
+            "| decodes + chunk | tokens | bucket | eager ms | cuda-graph ms | eager / cuda-graph |"
+        )
+        print("|---|---|---|---|---|---|")
+        for decodes, chunk in args.mixed:
+            eager_s, graphed_s = (
+                mixed["eager"][(decodes, chunk)],
+                mixed["cuda-graph"][(decodes, chunk)],
+            )
+            tokens = decodes + chunk
+            bucket = next((b for b in buckets if b >= tokens), "eager")
+            print(
+                f"| {decodes} + {chunk} | {tokens} | {bucket} | {eager_s * 1e3:.2f} | "
+                f"{graphed_s * 1e3:.2f} | {eager_s / graphed_s:.2f} |"
+            )
     if 1 in args.batches:
         limit = weight_bytes / args.bandwidth
         for name in results:

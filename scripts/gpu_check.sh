@@ -9,8 +9,12 @@
 #   3. benchmarks/attention_kernels.py: triton vs sdpa timings (decode batch 1/8/64 x context
 #      1k/8k, prefill chunks), bf16, head dim 128, 32q/8kv heads, page 16;
 #   4. benchmarks/cuda_graph_decode.py: decode tokens/s, eager vs cuda-graph executor, batch
-#      1/8/64 on a ~1B Llama-shaped random bf16 model, and batch 1 vs the bandwidth limit.
-# Step 2 includes tests/test_cuda_graph.py (replay vs eager) and tests/test_flash_attn_backend.py.
+#      1/8/64 on a ~1B Llama-shaped random bf16 model, and batch 1 vs the bandwidth limit; then
+#      mixed steps (8+8, 32+256, 64+448 decodes + prefill-chunk tokens), eager vs piecewise
+#      graphs.
+# Step 2 includes tests/test_cuda_graph.py (decode graphs and piecewise graphs vs eager),
+# tests/test_piecewise.py (piecewise graphs vs eager, bf16, against fp32) and
+# tests/test_flash_attn_backend.py.
 # Exit status: non-zero if any test failed or the benchmark did not run.
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -2,16 +2,16 @@
 
 CPU tests cover everything that does not need CUDA: which captured size a step uses, how a
 decode batch is padded, and that padding rows (aimed at the scratch page) change neither the
-real rows' attention output nor any real page, with the sdpa and triton backends. The
+real rows' attention output nor any real page, with the sdpa and triton backends; and, with
+graphs imitated by ``RerunGraphRunner``, decode graphs and piecewise graphs (mixed steps;
+more in tests/test_piecewise.py) against the eager executor in the triton interpreter. The
 ``gpu``-marked tests compare graph replay with the eager executor (scripts/gpu_check.sh).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -34,6 +34,7 @@ from brigade.plugins.executors.graph_padding import (
     graph_bucket,
     pad_decode_input,
 )
+from brigade.plugins.executors.graph_runner import RerunGraphRunner
 from brigade.plugins.executors.torch_executor import TorchExecutor, TorchExecutorOptions
 from brigade.testing.attention import naive_attention, random_attention_case
 
@@ -173,45 +174,15 @@ def test_selecting_it_without_cuda_is_a_clear_error(tmp_path: Path) -> None:
         CudaGraphExecutor(params, CudaGraphExecutorOptions())
 
 
-class _ReplayedGraph:
-    """Stands in for ``torch.cuda.CUDAGraph`` on the CPU (see :class:`CpuGraphExecutor`)."""
-
-    def __init__(self, run: Callable[[], None]) -> None:
-        self.run = run
-        self.replays = 0
-
-    def replay(self) -> None:
-        self.replays += 1
-        self.run()
-
-    def pool(self) -> None:
-        return None
-
-
 class CpuGraphExecutor(CudaGraphExecutor):
-    """The cuda-graph executor with graphs imitated on the CPU, as a graph behaves.
-
-    "Capture" builds the attention metadata once, from the static buffers and the capture's
-    host maxima; "replay" reruns the forward with that same metadata on whatever the static
-    buffers hold now. So a replay sees the step only through the buffers, as a real one does.
-    """
+    """The cuda-graph executor on the CPU, given a :class:`RerunGraphRunner`: "capture" runs
+    the step once on the static buffers, "replay" runs it again on whatever they hold now (with
+    the capture's host maxima), so a replay sees the step only through the buffers, as a real
+    one does."""
 
     @classmethod
     def check_device(cls, device: str) -> None:
         """Accept the CPU."""
-
-    def _capture(self, size: int, pool: Any) -> tuple[Any, torch.Tensor]:
-        batch = self._static_input(size)
-        with torch.inference_mode():
-            metadata = self.attention.build_metadata(batch)
-            logits = torch.empty(size, self.model.vocab_size)
-
-        def replay() -> None:
-            with torch.inference_mode():
-                hidden = self.forward_fn(batch.input_ids, batch.positions, self.kv_caches, metadata)
-                logits.copy_(self.model.compute_logits(hidden[batch.logits_indices]).float())
-
-        return _ReplayedGraph(replay), logits
 
 
 def _decode_step(prompts: list[list[int]], tables: list[list[int]], step: int) -> ModelInput:
@@ -236,8 +207,9 @@ def test_imitated_replay_matches_eager_on_cpu(tmp_path: Path) -> None:
         )
 
     eager = TorchExecutor(params(), TorchExecutorOptions(device="cpu"))
+    options = CudaGraphExecutorOptions(capture_sizes=(1, 4), mixed_capture_tokens=(16,))
     graphed = CpuGraphExecutor(
-        params(), CudaGraphExecutorOptions(capture_sizes=(1, 4), device="cpu")
+        params(), dataclasses.replace(options, device="cpu"), runner=RerunGraphRunner()
     )
     for executor in (eager, graphed):
         executor.initialize_kv_cache(32)
@@ -249,7 +221,8 @@ def test_imitated_replay_matches_eager_on_cpu(tmp_path: Path) -> None:
     prefill = build_model_input(
         [SeqChunk(p, 0, t) for p, t in zip(prompts, tables, strict=True)], PAGE
     )
-    torch.testing.assert_close(graphed.execute(prefill), eager.execute(prefill))
+    # 15 tokens: piecewise graphs (16-token bucket), attention eager in the interpreter.
+    torch.testing.assert_close(graphed.execute(prefill), eager.execute(prefill), atol=1e-4, rtol=0)
     for step in range(3):  # 3 rows padded to 4; contexts cross page boundaries
         decode = _decode_step(prompts, tables, step)
         expected = eager.execute(decode)
@@ -258,8 +231,26 @@ def test_imitated_replay_matches_eager_on_cpu(tmp_path: Path) -> None:
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
     single = _decode_step(prompts[:1], tables[:1], 3)  # the size-1 graph
     torch.testing.assert_close(graphed.execute(single), eager.execute(single), atol=1e-4, rtol=1e-4)
-    replays = {size: graph.replays for size, (graph, _) in graphed._graphs.items()}
-    assert replays == {1: 1, 4: 3}  # every decode step ran in a graph, none eagerly
+    # Two decodes next to a new prompt's chunk (piecewise), then three decodes (the size-4
+    # graph) reading KV the piecewise step wrote.
+    prompts.append([50, 51, 52, 53, 54, 55])
+    tables.append([6, 8])
+    mixed = build_model_input(
+        [SeqChunk([3], len(prompts[r]) + 3, tables[r]) for r in (1, 2)]
+        + [SeqChunk(prompts[3], 0, tables[3])],
+        PAGE,
+    )
+    torch.testing.assert_close(graphed.execute(mixed), eager.execute(mixed), atol=1e-4, rtol=0)
+    after = build_model_input(
+        [SeqChunk([4], len(prompts[r]) + 4, tables[r]) for r in (1, 2)]
+        + [SeqChunk([7], len(prompts[3]), tables[3])],
+        PAGE,
+    )
+    torch.testing.assert_close(graphed.execute(after), eager.execute(after), atol=1e-4, rtol=0)
+    replays = {size: getattr(graph, "replays", 0) for size, graph in graphed._graphs.items()}
+    assert replays == {1: 1, 4: 4}  # every decode step ran in a graph, none eagerly
+    assert graphed.pieces is not None
+    assert getattr(graphed.pieces.graphs[16][0], "replays", 0) == 2  # prefill and mixed
     used = sorted({page for table in tables for page in table})
     for (eager_k, eager_v), (graph_k, graph_v) in zip(
         eager.kv_caches, graphed.kv_caches, strict=True
@@ -309,7 +300,10 @@ def test_graph_replay_matches_eager_logits(
     prefill = build_model_input(
         [SeqChunk(p.tolist(), 0, t) for p, t in zip(prompts, tables, strict=True)], PAGE
     )
-    torch.testing.assert_close(graphed.execute(prefill), eager.execute(prefill))
+    # The prefill runs in piecewise graphs (the default 16..2048-token buckets).
+    torch.testing.assert_close(
+        graphed.execute(prefill), eager.execute(prefill), atol=1e-4, rtol=1e-4
+    )
     for step in range(3):  # the graph is replayed with new lengths each step
         decode = build_model_input(
             [SeqChunk([7 + step], len(p) + step, t) for p, t in zip(prompts, tables, strict=True)],
@@ -329,10 +323,10 @@ def test_mixed_steps_match_eager(executors: tuple[TorchExecutor, CudaGraphExecut
         executor.execute(first)
     mixed = build_model_input(
         [SeqChunk([9], 8, [70, 71, 72]), SeqChunk(list(range(20, 31)), 0, [80, 81, 82])], PAGE
-    )  # a decode next to an 11-token prefill chunk: runs eagerly in both
+    )  # a decode next to an 11-token prefill chunk: piecewise graphs (16 tokens) vs eager
     torch.testing.assert_close(graphed.execute(mixed), eager.execute(mixed), atol=1e-4, rtol=1e-4)
     decode = build_model_input(
         [SeqChunk([10], 9, [70, 71, 72]), SeqChunk([5], 11, [80, 81, 82])], PAGE
-    )  # then the graph, reading KV the eager mixed step wrote
+    )  # then the decode graph, reading KV the piecewise step wrote
     torch.testing.assert_close(graphed.execute(decode), eager.execute(decode), atol=1e-4, rtol=1e-4)
     assert graphed.execute(decode).shape == (2, eager.model.vocab_size)

@@ -5,7 +5,9 @@ captured for the smallest capture size ``N >= B``; rows ``B .. N-1`` are padding
 must not disturb real requests: each one writes its K/V into, and attends to, slot 0 of a
 **scratch page**, an extra KV page the executor allocates past the pages core hands out (id
 ``num_pages``), which no block table ever names. Every function here works on host tensors,
-so the tests run on a CPU.
+so the tests run on a CPU. (Steps with prefill chunks are bucketed by token count with the
+same :func:`bucket_for`; their padding rows live in the piecewise graphs' buffers and never
+reach attention, see :mod:`piecewise`.)
 """
 
 from __future__ import annotations
@@ -26,12 +28,13 @@ __all__ = [
 ]
 
 
-def check_capture_sizes(sizes: Sequence[int]) -> tuple[int, ...]:
-    """``sizes`` sorted and deduplicated; ``ValueError`` if empty or not all positive."""
+def check_capture_sizes(sizes: Sequence[int], name: str = "capture_sizes") -> tuple[int, ...]:
+    """``sizes`` sorted and deduplicated; ``ValueError`` naming option ``name`` if empty or
+    not all positive."""
     if not sizes:
-        raise ValueError("capture_sizes must name at least one batch size")
+        raise ValueError(f"{name} must name at least one size")
     if any(size < 1 for size in sizes):
-        raise ValueError(f"capture_sizes must be positive batch sizes, got {list(sizes)}")
+        raise ValueError(f"{name} must be positive sizes, got {list(sizes)}")
     return tuple(sorted(set(sizes)))
 
 

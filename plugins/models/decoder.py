@@ -2,12 +2,20 @@
 
 Projections are fused: one Linear makes q, k and v, one makes the MLP's gate and up halves.
 Module names otherwise mirror transformers' so checkpoint names map one to one.
+
+The forward is a chain of pieces split at attention, so an executor can run the dense pieces
+as CUDA graphs and attention eagerly (piecewise capture, see
+``brigade.plugins.executors.piecewise``): :meth:`DecoderForCausalLM.embed`, then per layer
+``attention_input`` (input norm, qkv, qk norm, RoPE), ``attend`` (the backend: KV write and
+attention) and ``finish_layer`` (o_proj, residual, MLP, residual), then ``final_norm``. The
+model-level methods only pick the layer; the eager forward calls the same layer methods, so
+both paths run one implementation.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -64,15 +72,11 @@ class DecoderAttention(nn.Module):
             RMSNorm(layer.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
         )
 
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        metadata: Any,
-    ) -> torch.Tensor:
-        """hidden: [T, hidden_size] -> [T, hidden_size]."""
+    def project(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Normed hidden [T, hidden_size] -> q [T, heads, head_dim], k and v [T, kv_heads,
+        head_dim], with qk norm (Qwen3) and RoPE applied to q and k."""
         num_tokens = hidden.shape[0]
         layer = self.layer
         q, k, v = self.qkv_proj(hidden).split(self.split_sizes, dim=-1)
@@ -81,9 +85,18 @@ class DecoderAttention(nn.Module):
         v = v.reshape(num_tokens, layer.num_kv_heads, layer.head_dim)  # [T, kv_heads, head_dim]
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.backend.forward(layer, q, k, v, kv_cache, metadata)  # [T, heads, head_dim]
-        return self.o_proj(out.reshape(num_tokens, -1))  # [T, heads * head_dim] in
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        metadata: Any,
+    ) -> torch.Tensor:
+        """Write k, v into the paged cache and attend: -> [T, heads, head_dim]."""
+        return self.backend.forward(self.layer, q, k, v, kv_cache, metadata)
 
 
 class DecoderMLP(nn.Module):
@@ -117,6 +130,19 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = DecoderMLP(config, dtype)
 
+    def attention_input(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The residual stream [T, hidden_size] -> this layer's q, k, v (see ``project``)."""
+        return self.self_attn.project(self.input_layernorm(hidden), cos, sin)
+
+    def finish(self, hidden: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+        """Residual stream [T, hidden_size] and attention output [T, heads, head_dim] ->
+        the residual stream after this layer (o_proj, residual, MLP, residual)."""
+        # attention: [T, heads, head_dim] -> [T, heads * head_dim]
+        hidden = hidden + self.self_attn.o_proj(attention.reshape(hidden.shape[0], -1))
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
     def forward(
         self,
         hidden: torch.Tensor,
@@ -126,8 +152,8 @@ class DecoderLayer(nn.Module):
         metadata: Any,
     ) -> torch.Tensor:
         """hidden: [T, hidden_size] -> [T, hidden_size] (pre-norm residual block)."""
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        q, k, v = self.attention_input(hidden, cos, sin)
+        return self.finish(hidden, self.self_attn.attend(q, k, v, kv_cache, metadata))
 
 
 class DecoderForCausalLM(nn.Module):
@@ -158,6 +184,8 @@ class DecoderForCausalLM(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(config, layer, backend, dtype) for layer in self.attention_layers
         )
+        self.decoder_layers = cast("tuple[DecoderLayer, ...]", tuple(self.layers))
+        """The modules of ``layers``, typed (the ModuleList is what registers them)."""
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = (
             None
@@ -184,12 +212,50 @@ class DecoderForCausalLM(nn.Module):
         attn_metadata: Any,
     ) -> torch.Tensor:
         """input_ids, positions: [T] -> final-normed hidden states [T, hidden_size]."""
+        hidden, cos, sin = self.embed(input_ids, positions)
+        for layer, kv_cache in zip(self.decoder_layers, kv_caches, strict=True):
+            hidden = layer(hidden, cos, sin, kv_cache, attn_metadata)
+        return self.final_norm(hidden)
+
+    # The pieces of ``forward``, split at attention (piecewise CUDA graphs call them one by one).
+
+    def embed(
+        self, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """input_ids, positions: [T] -> (residual stream [T, hidden_size], RoPE cos, sin
+        [T, head_dim // 2] in the activation dtype)."""
         hidden = self.embed_tokens(input_ids)  # [T, hidden_size]
         # transformers rounds cos/sin to the activation dtype before rotating.
         cos = self.rope_cos[positions].to(hidden.dtype)  # [T, head_dim // 2]
         sin = self.rope_sin[positions].to(hidden.dtype)  # [T, head_dim // 2]
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos, sin, kv_cache, attn_metadata)
+        return hidden, cos, sin
+
+    def attention_input(
+        self, index: int, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer ``index``: residual stream -> q [T, heads, hd], k, v [T, kv_heads, hd]."""
+        return self.decoder_layers[index].attention_input(hidden, cos, sin)
+
+    def attend(
+        self,
+        index: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        attn_metadata: Any,
+    ) -> torch.Tensor:
+        """Layer ``index``'s attention (writes k, v into ``kv_cache``): -> [T, heads, hd]."""
+        return self.decoder_layers[index].self_attn.attend(q, k, v, kv_cache, attn_metadata)
+
+    def finish_layer(
+        self, index: int, hidden: torch.Tensor, attention: torch.Tensor
+    ) -> torch.Tensor:
+        """Layer ``index``: residual stream and attention output -> the next residual stream."""
+        return self.decoder_layers[index].finish(hidden, attention)
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[T, hidden_size] -> final-normed hidden states, what ``compute_logits`` reads."""
         return self.norm(hidden)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
