@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -32,6 +33,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _build_parser() -> argparse.ArgumentParser:
+    from brigade.bench.spec import WORKLOAD_HELP
+
     parser = argparse.ArgumentParser(
         prog="brigade", description="An LLM serving engine whose every part is a plugin."
     )
@@ -89,18 +92,61 @@ def _build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--stop", action="append", default=[], help="a stop string")
     generate.set_defaults(handler=_cmd_generate)
 
-    bench = commands.add_parser("bench", help="compare configs on one workload over seeds")
-    bench.add_argument(
-        "--config", action="append", required=True, help="TOML config (repeatable: one column)"
+    bench = commands.add_parser(
+        "bench",
+        help="compare configs or servers on one seeded workload",
+        description=(
+            "Run one seeded workload against configs in-process (the simulated executor on a "
+            "virtual clock) and/or OpenAI-compatible endpoints over HTTP; print a Markdown "
+            "table (mean ± 95%% CI over seeds). See docs/bench.md."
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=WORKLOAD_HELP,
     )
     bench.add_argument(
-        "--workload",
-        required=True,
-        help="a JSONL trace, or synthetic:requests=N,prompt=uniform:16:256,output=fixed:64,rate=8",
+        "--config", action="append", default=[], help="TOML config (repeatable: one column each)"
+    )
+    bench.add_argument(
+        "--workload", required=True, help="a JSONL trace, or a synthetic: spec (grammar below)"
     )
     bench.add_argument("--seeds", type=int, default=1, help="repeat with seeds 0..N-1")
     bench.add_argument("--slo", help="goodput thresholds, e.g. ttft=500ms,tpot=50ms")
     bench.add_argument("--json", help="write the results as JSON to this file")
+    bench.add_argument(
+        "--sweep",
+        help="rate=1,2,4,8 (requests/s) or a config key, e.g. "
+        "scheduler.max_num_batched_tokens=256,512,1024: one table and curve per config",
+    )
+    bench.add_argument(
+        "--plot",
+        metavar="DIR",
+        help="write latency CDFs (and sweep curves) as PNG here; needs brigade-llm[bench]",
+    )
+    bench.add_argument("--quiet", action="store_true", help="no progress bar")
+    http = bench.add_argument_group("HTTP endpoints (any OpenAI-compatible server)")
+    http.add_argument(
+        "--endpoint",
+        action="append",
+        default=[],
+        help="base URL up to /v1, e.g. http://127.0.0.1:8000/v1 (repeatable: one column each)",
+    )
+    http.add_argument("--model", help="the model name the endpoint serves")
+    http.add_argument(
+        "--prompt-format",
+        choices=("token_ids", "text"),
+        default="token_ids",
+        help="send prompts as token-id lists (brigade, vLLM) or as words (any server)",
+    )
+    http.add_argument(
+        "--vocab-size",
+        type=int,
+        help="token-id prompts use ids below this (default: the configs' vocabulary, or 32000)",
+    )
+    http.add_argument("--max-concurrency", type=int, default=64, help="requests in flight at most")
+    http.add_argument(
+        "--request-timeout", type=float, default=600.0, help="seconds before a request fails"
+    )
+    http.add_argument("--api-key", help="bearer token (default: $OPENAI_API_KEY)")
     _add_override_flag(bench)
     bench.set_defaults(handler=_cmd_bench)
     return parser
@@ -274,4 +320,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         slo=args.slo,
         json_path=args.json,
         overrides=args.set,
+        endpoints=args.endpoint,
+        model=args.model,
+        prompt_format=args.prompt_format,
+        vocab_size=args.vocab_size,
+        max_concurrency=args.max_concurrency,
+        request_timeout_s=args.request_timeout,
+        api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
+        sweep=args.sweep,
+        plot_dir=args.plot,
+        quiet=args.quiet,
     )

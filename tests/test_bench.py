@@ -145,12 +145,20 @@ def test_bench_compares_fcfs_and_priority_on_a_simulated_70b(
         "synthetic:requests=60,prompt=uniform:64:512,output=fixed:32,rate=20,priorities=0:1/1:4"
     )
     argv = ["bench", *configs, "--workload", workload, "--seeds", "2", "--json", str(out)]
+    # Four sequences at a time serve fewer than the 20 requests/s arriving: a queue builds up.
+    argv += ["--set", "scheduler.max_num_seqs=4"]
     assert main([*argv, "--slo", "ttft=500ms,tpot=50ms"]) == 0
     table = capsys.readouterr().out
     assert table.splitlines()[0] == "| metric | fcfs | priority |"
     assert "| goodput_fraction |" in table
+    assert "| ttft_p50_ms[priority=0] |" in table
+    assert "| itl_p99_ms |" in table
     result = json.loads(out.read_text())
     assert set(result["configs"]) == {"fcfs", "priority"}
+    fcfs, ranked = (result["configs"][name]["metrics"] for name in ("fcfs", "priority"))
+    # What the priority policy buys: level 0 reaches its first token sooner.
+    high = "ttft_p50_ms[priority=0]"
+    assert ranked[high]["mean"] < fcfs[high]["mean"]
     for name in ("fcfs", "priority"):
         ttft = result["configs"][name]["metrics"]["ttft_p50_ms"]
         assert len(ttft["samples"]) == 2
@@ -173,6 +181,10 @@ def test_bench_runs_a_real_executor_on_the_wall_clock(
     metrics = json.loads(out.read_text())["configs"]["tiny"]["metrics"]
     assert metrics["request_throughput"]["mean"] > 0
     assert 0 < metrics["ttft_p50_ms"]["mean"] <= metrics["e2e_p50_ms"]["mean"]
+    assert metrics["output_tokens"]["mean"] == 8 * 6
+    # Five gaps per request, each one engine step: positive, and no longer than a request.
+    assert 0 < metrics["itl_p50_ms"]["mean"] <= metrics["itl_p99_ms"]["mean"]
+    assert metrics["itl_p99_ms"]["mean"] < metrics["e2e_p99_ms"]["mean"]
 
 
 def test_bench_errors_are_one_line_messages(

@@ -19,8 +19,11 @@ __all__ = [
     "parse_slo",
     "percentile",
     "render_markdown",
+    "render_sweep_markdown",
     "summarize",
     "summarize_run",
+    "summaries_json",
+    "sweep_json",
     "t_quantile_975",
 ]
 
@@ -45,6 +48,9 @@ class RequestTiming:
     ttft_s: float
     e2e_s: float
     output_tokens: int
+    itl_s: tuple[float, ...] = ()
+    """Gaps between consecutive token arrivals (engine steps, or stream chunks over HTTP)."""
+    priority: int = 0
 
     @property
     def tpot_s(self) -> float:
@@ -59,15 +65,21 @@ class RunMetrics:
     """The inputs of one run (one config, one seed) besides its request timings."""
 
     duration_s: float
-    num_preemptions: int
-    prefix_hit_rate: float
+    num_preemptions: int | None
+    """None where it cannot be observed (an HTTP endpoint): the metric is left out."""
+    prefix_hit_rate: float | None
+    num_failed: int = 0
+    """Requests that ended in an error (HTTP runs); they have no timings."""
 
 
 def percentile(values: Sequence[float], q: float) -> float:
     """The ``q``-th percentile (0..100) with linear interpolation; 0 for no values."""
-    if not values:
+    return _sorted_percentile(sorted(values), q)
+
+
+def _sorted_percentile(ordered: Sequence[float], q: float) -> float:
+    if not ordered:
         return 0.0
-    ordered = sorted(values)
     rank = (len(ordered) - 1) * q / 100.0
     low = math.floor(rank)
     high = min(low + 1, len(ordered) - 1)
@@ -110,24 +122,42 @@ def _meets(timing: RequestTiming, slo: Mapping[str, float]) -> bool:
 def summarize_run(
     timings: Sequence[RequestTiming], run: RunMetrics, slo: Mapping[str, float] | None = None
 ) -> dict[str, float]:
-    """One run's metrics: latency percentiles (ms), throughputs (/s), goodput and counters."""
+    """One run's metrics: latency percentiles (ms), throughputs (/s), goodput and counters.
+
+    ITL pools every gap of every request (as vLLM's benchmark does), so its p99 shows stalls
+    (preemptions, long prefill chunks) that the per-request mean TPOT averages away.
+    """
     metrics: dict[str, float] = {}
     for name, values in (
         ("ttft", [t.ttft_s for t in timings]),
         ("tpot", [t.tpot_s for t in timings if t.output_tokens > 1]),
+        ("itl", [gap for t in timings for gap in t.itl_s]),
         ("e2e", [t.e2e_s for t in timings]),
     ):
+        values.sort()
         for q in (50, 90, 99):
-            metrics[f"{name}_p{q}_ms"] = percentile(values, q) * 1e3
+            metrics[f"{name}_p{q}_ms"] = _sorted_percentile(values, q) * 1e3
+    levels = sorted({t.priority for t in timings})
+    if len(levels) > 1:  # what a priority policy trades: each level's TTFT
+        for level in levels:
+            values = sorted(t.ttft_s for t in timings if t.priority == level)
+            for q in (50, 99):
+                metrics[f"ttft_p{q}_ms[priority={level}]"] = _sorted_percentile(values, q) * 1e3
     output_tokens = sum(t.output_tokens for t in timings)
     duration = run.duration_s
     metrics["request_throughput"] = len(timings) / duration if duration > 0 else 0.0
     metrics["output_throughput"] = output_tokens / duration if duration > 0 else 0.0
+    metrics["output_tokens"] = float(output_tokens)
     if slo:
         met = sum(_meets(t, slo) for t in timings)
-        metrics["goodput_fraction"] = met / len(timings) if timings else 0.0
-    metrics["preemptions"] = float(run.num_preemptions)
-    metrics["prefix_hit_rate"] = run.prefix_hit_rate
+        attempted = len(timings) + run.num_failed
+        metrics["goodput_fraction"] = met / attempted if attempted else 0.0
+        metrics["goodput"] = met / duration if duration > 0 else 0.0
+    metrics["failed_requests"] = float(run.num_failed)
+    if run.num_preemptions is not None:
+        metrics["preemptions"] = float(run.num_preemptions)
+    if run.prefix_hit_rate is not None:
+        metrics["prefix_hit_rate"] = run.prefix_hit_rate
     return metrics
 
 
@@ -161,11 +191,11 @@ class Summary:
 
 def summarize(runs: Sequence[Mapping[str, float]]) -> dict[str, Summary]:
     """Per metric, the mean and 95% CI over ``runs`` (one dict per seed)."""
-    if not runs:
-        return {}
     result = {}
-    for name in runs[0]:
-        samples = tuple(run[name] for run in runs)
+    # A metric missing from some runs (a priority level one seed did not draw) is summarized
+    # over the runs that have it.
+    for name in dict.fromkeys(name for run in runs for name in run):
+        samples = tuple(run[name] for run in runs if name in run)
         mean, low, high = confidence_interval(samples)
         result[name] = Summary(mean, low, high, samples)
     return result
@@ -174,19 +204,83 @@ def summarize(runs: Sequence[Mapping[str, float]]) -> dict[str, Summary]:
 def render_markdown(results: Mapping[str, Mapping[str, Summary]]) -> str:
     """A Markdown table: one row per metric, one column per config, ``mean ± half-width``."""
     names = list(results)
-    metrics = list(next(iter(results.values()), {}))
+    metrics = list(dict.fromkeys(m for summaries in results.values() for m in summaries))
     lines = [
         "| metric | " + " | ".join(names) + " |",
         "|---|" + "---:|" * len(names),
     ]
     for metric in metrics:
-        cells = []
-        for name in names:
-            summary = results[name].get(metric)
-            if summary is None:
-                cells.append("-")
-                continue
-            half = (summary.ci_high - summary.ci_low) / 2
-            cells.append(f"{summary.mean:.4g} ± {half:.2g}" if half else f"{summary.mean:.4g}")
+        cells = [_cell(results[name].get(metric)) for name in names]
         lines.append(f"| {metric} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+SWEEP_COLUMNS = (
+    "request_throughput",
+    "output_throughput",
+    "goodput",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "tpot_p50_ms",
+    "itl_p50_ms",
+    "itl_p99_ms",
+    "e2e_p50_ms",
+    "e2e_p99_ms",
+    "failed_requests",
+    "preemptions",
+)
+"""The metrics of a sweep table, where present; every metric is in the JSON."""
+
+
+def _cell(summary: Summary | None) -> str:
+    if summary is None:
+        return "-"
+    half = (summary.ci_high - summary.ci_low) / 2
+    return f"{summary.mean:.4g} ± {half:.2g}" if half else f"{summary.mean:.4g}"
+
+
+def render_sweep_markdown(
+    key: str, values: Sequence[str], points: Mapping[str, Sequence[Mapping[str, Summary]]]
+) -> str:
+    """One table per config: a row per swept value, a column per throughput/latency metric."""
+    blocks = []
+    for name, summaries in points.items():
+        present = {metric for point in summaries for metric in point}
+        columns = [metric for metric in SWEEP_COLUMNS if metric in present]
+        columns += sorted(m for m in present if m.startswith("ttft_p50_ms[priority="))
+        lines = [
+            f"### {name}",
+            "",
+            f"| {key} | " + " | ".join(columns) + " |",
+            "|---:|" + "---:|" * len(columns),
+        ]
+        for value, point in zip(values, summaries, strict=True):
+            lines.append(f"| {value} | " + " | ".join(_cell(point.get(m)) for m in columns) + " |")
+        blocks.append("\n".join(lines) + "\n")
+    return "\n".join(blocks)
+
+
+def summaries_json(summaries: Mapping[str, Summary]) -> dict[str, dict[str, object]]:
+    """``{metric: {"mean", "ci95": [low, high], "samples": [per seed]}}``."""
+    return {
+        metric: {"mean": s.mean, "ci95": [s.ci_low, s.ci_high], "samples": list(s.samples)}
+        for metric, s in summaries.items()
+    }
+
+
+def sweep_json(
+    key: str, values: Sequence[str], summaries: Sequence[Mapping[str, Summary]]
+) -> dict[str, object]:
+    """A config's sweep as arrays, one entry per swept value: ``curves[metric]`` the means,
+    ``ci95[metric]`` the [low, high] pairs, ``points`` every metric in full (null where a
+    point lacks a metric)."""
+    metrics = list(dict.fromkeys(m for point in summaries for m in point))
+    return {
+        "key": key,
+        "values": list(values),
+        "curves": {m: [p[m].mean if m in p else None for p in summaries] for m in metrics},
+        "ci95": {
+            m: [[p[m].ci_low, p[m].ci_high] if m in p else None for p in summaries] for m in metrics
+        },
+        "points": [summaries_json(point) for point in summaries],
+    }

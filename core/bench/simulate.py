@@ -11,7 +11,7 @@ import dataclasses
 import statistics
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -36,6 +36,8 @@ class RequestRecord:
     prompt_len: int
     output_len: int
     priority: int
+    itl_s: tuple[float, ...] = ()
+    """Gaps between consecutive output tokens (the first gap follows the first token)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -78,16 +80,20 @@ def run_simulation(
     *,
     registry: Registry | None = None,
     config_path: str | None = None,
+    on_finished: Callable[[], object] | None = None,
 ) -> SimulationResult:
     """Run ``workload`` on an engine built from ``config_path`` (a TOML file, or the defaults)
     and ``config_overrides`` (``station.key=value``) with the ``simulated`` executor; every
-    request runs to its ``output_len``."""
+    request runs to its ``output_len``. ``on_finished`` is called as each request finishes
+    (progress bars)."""
     # A simulated step does only small host tensor ops, where torch's intra-op thread pool
     # costs more than it saves (10x on a loaded machine); one thread for the run's duration.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _simulate(config_path, config_overrides, workload, registry or default_registry())
+        return _simulate(
+            config_path, config_overrides, workload, registry or default_registry(), on_finished
+        )
     finally:
         torch.set_num_threads(threads)
 
@@ -97,6 +103,7 @@ def _simulate(
     config_overrides: Sequence[str],
     workload: Sequence[WorkloadRequest],
     registry: Registry,
+    on_finished: Callable[[], object] | None,
 ) -> SimulationResult:
     started = time.perf_counter()
     config = load_config(
@@ -111,6 +118,8 @@ def _simulate(
     start = workload[order[0]].arrival_time if order else 0.0
     executor.clock = start
     first_token: dict[int, float] = {}
+    last_token: dict[int, float] = {}
+    gaps: dict[int, list[float]] = {}
     records: dict[int, RequestRecord] = {}
     while pending or engine.has_unfinished():
         while pending and workload[pending[0]].arrival_time <= executor.clock:
@@ -131,7 +140,12 @@ def _simulate(
             executor.clock = max(executor.clock, workload[pending[0]].arrival_time)
         for update in updates:
             index = int(update.request.request_id)
-            first_token.setdefault(index, executor.clock)
+            if index in last_token:
+                gaps[index].append(executor.clock - last_token[index])
+            else:
+                first_token[index] = executor.clock
+                gaps[index] = []
+            last_token[index] = executor.clock
             if update.finished:
                 request = workload[index]
                 records[index] = RequestRecord(
@@ -141,7 +155,10 @@ def _simulate(
                     prompt_len=len(request.prompt_token_ids),
                     output_len=update.request.num_output_tokens,
                     priority=request.priority,
+                    itl_s=tuple(gaps.pop(index)),
                 )
+                if on_finished is not None:
+                    on_finished()
     stats = engine.stats()
     engine.executor.shutdown()
     return SimulationResult(

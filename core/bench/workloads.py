@@ -168,6 +168,7 @@ def shared_prefix(
     arrivals: Arrivals = Arrivals(),
     *,
     vocab_size: int = 32000,
+    priorities: Sequence[tuple[int, float]] = (),
     seed: int = 0,
 ) -> list[WorkloadRequest]:
     """Groups whose prompts start with the group's ``prefix_len`` tokens (a system prompt),
@@ -182,6 +183,7 @@ def shared_prefix(
             time,
             prefixes[group] + _tokens(rng, suffix_lens.sample(rng), vocab_size),
             output_lens.sample(rng),
+            _priority(rng, priorities),
         )
         for time, group in zip(times, groups, strict=True)
     ]
@@ -196,22 +198,33 @@ def multi_turn(
     *,
     think_time_s: float = 1.0,
     vocab_size: int = 32000,
+    priorities: Sequence[tuple[int, float]] = (),
+    num_prefix_groups: int = 0,
+    prefix_len: int = 0,
     seed: int = 0,
 ) -> list[WorkloadRequest]:
     """Conversations: turn ``k``'s prompt is turn ``k-1``'s prompt, a reply of its output
     length (random tokens standing in for the model's answer) and a new user message.
 
     Conversations start at ``arrivals``; turn ``k`` arrives ``k * think_time_s`` later
-    (open loop: it does not wait for the previous answer).
+    (open loop: it does not wait for the previous answer). A conversation has one priority
+    level drawn from ``priorities``; with ``num_prefix_groups`` > 0 each conversation opens
+    with one of that many shared ``prefix_len``-token system prompts, picked at random.
     """
+    if num_prefix_groups < 0 or (num_prefix_groups > 0 and prefix_len < 1):
+        raise WorkloadError("prefix groups need num_prefix_groups >= 1 and prefix_len >= 1")
     rng = random.Random(seed)
+    prefixes = [_tokens(rng, prefix_len, vocab_size) for _ in range(num_prefix_groups)]
     requests = []
     for start in arrivals.times(num_conversations, rng):
-        history: tuple[int, ...] = ()
+        history: tuple[int, ...] = rng.choice(prefixes) if prefixes else ()
+        priority = _priority(rng, priorities)
         for turn in range(num_turns):
             history += _tokens(rng, user_lens.sample(rng), vocab_size)
             output_len = output_lens.sample(rng)
-            requests.append(WorkloadRequest(start + turn * think_time_s, history, output_len))
+            requests.append(
+                WorkloadRequest(start + turn * think_time_s, history, output_len, priority)
+            )
             history += _tokens(rng, output_len, vocab_size)
     requests.sort(key=lambda request: request.arrival_time)
     return requests

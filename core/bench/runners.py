@@ -1,0 +1,129 @@
+"""How ``brigade bench`` runs one workload on one target: in-process on the simulated
+executor's virtual clock, in-process on the wall clock, or over HTTP. Each returns the finished
+requests' timings and the run's counters; progress is reported per finished request."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from brigade.bench.endpoint import Endpoint, run_endpoint
+from brigade.bench.report import BenchError, RequestTiming, RunMetrics
+from brigade.bench.workloads import FIRST_TOKEN_ID, WorkloadRequest
+
+__all__ = ["Progress", "run_on_endpoint", "run_real", "run_simulated", "warm_up"]
+
+Progress = Callable[[], object]
+"""Called once per finished request."""
+
+
+def run_simulated(
+    path: str | None,
+    overrides: Sequence[str],
+    workload: Sequence[WorkloadRequest],
+    progress: Progress,
+) -> tuple[list[RequestTiming], RunMetrics]:
+    """Run ``workload`` on the config at ``path`` through its simulated executor."""
+    from brigade.bench.simulate import run_simulation
+
+    result = run_simulation(overrides, workload, config_path=path, on_finished=progress)
+    timings = [
+        RequestTiming(r.ttft_s, r.e2e_s, r.output_len, r.itl_s, r.priority) for r in result.requests
+    ]
+    return timings, RunMetrics(result.duration_s, result.num_preemptions, result.prefix_hit_rate)
+
+
+def run_real(
+    engine: Any, workload: Sequence[WorkloadRequest], prefix: str, progress: Progress
+) -> tuple[list[RequestTiming], RunMetrics]:
+    """Feed ``workload`` to ``engine`` at its arrival times on the wall clock."""
+    from brigade.interfaces import SamplingParams
+
+    before = engine.stats()
+    pending = deque(sorted(range(len(workload)), key=lambda i: workload[i].arrival_time))
+    start = time.perf_counter()
+    offset = workload[pending[0]].arrival_time if pending else 0.0
+    first_token: dict[int, float] = {}
+    last_token: dict[int, float] = {}
+    gaps: dict[int, list[float]] = {}
+    timings: dict[int, RequestTiming] = {}
+    while pending or engine.has_unfinished():
+        now = time.perf_counter() - start
+        while pending and workload[pending[0]].arrival_time - offset <= now:
+            index = pending.popleft()
+            request = workload[index]
+            params = SamplingParams(max_tokens=request.output_len, temperature=0.0, ignore_eos=True)
+            engine.add_request(
+                f"{prefix}{index}", request.prompt_token_ids, params, priority=request.priority
+            )
+        if not engine.has_unfinished():
+            # Idle: wait for the next arrival, never longer than its gap.
+            time.sleep(max(0.0, workload[pending[0]].arrival_time - offset - now))
+            continue
+        steps_before = engine.num_steps
+        updates = engine.step()
+        if not updates and engine.num_steps == steps_before and not pending:
+            raise BenchError("the engine made no progress with no arrivals left")
+        now = time.perf_counter() - start
+        for update in updates:
+            index = int(update.request.request_id.removeprefix(prefix))
+            if index in last_token:
+                gaps[index].append(now - last_token[index])
+            else:
+                first_token[index], gaps[index] = now, []
+            last_token[index] = now
+            if update.finished:
+                arrival = workload[index].arrival_time - offset
+                timings[index] = RequestTiming(
+                    first_token[index] - arrival,
+                    now - arrival,
+                    update.request.num_output_tokens,
+                    tuple(gaps.pop(index)),
+                    workload[index].priority,
+                )
+                progress()
+    after = engine.stats()
+    queries = after.prefix_cache_queries - before.prefix_cache_queries
+    hits = after.prefix_cache_hits - before.prefix_cache_hits
+    run = RunMetrics(
+        duration_s=time.perf_counter() - start,
+        num_preemptions=after.num_preemptions - before.num_preemptions,
+        prefix_hit_rate=hits / queries if queries else 0.0,
+    )
+    return [timings[i] for i in sorted(timings)], run
+
+
+def run_on_endpoint(
+    name: str, endpoint: Endpoint, workload: Sequence[WorkloadRequest], progress: Progress
+) -> tuple[list[RequestTiming], RunMetrics]:
+    """Send ``workload`` over HTTP; failures and short outputs are reported on stderr."""
+    result = run_endpoint(endpoint, workload, progress)
+    if result.errors:
+        print(
+            f"brigade bench: {name}: {len(result.errors)} of {len(workload)} requests "
+            f"failed; first: {result.errors[0]}",
+            file=sys.stderr,
+        )
+    if result.short_outputs:
+        print(
+            f"brigade bench: {name}: {result.short_outputs} requests returned fewer "
+            "tokens than max_tokens (does the server honour ignore_eos?)",
+            file=sys.stderr,
+        )
+    return result.timings, result.metrics
+
+
+def warm_up(engine: Any = None, endpoint: Endpoint | None = None) -> None:
+    """One short unmeasured request through a real engine or an endpoint before the first
+    seed: first calls pay for lazy initialisation (allocator growth, kernel selection, a
+    server's first connection) that would otherwise land on seed 0. Its prompt (one repeated
+    id) shares no prefix with the workload's random prompts, and an endpoint's error is left
+    for the measured run to report."""
+    request = WorkloadRequest(0.0, (FIRST_TOKEN_ID,) * 32, output_len=4)
+    if engine is not None:
+        run_real(engine, [request], "warm-up-", lambda: None)
+    if endpoint is not None:
+        run_endpoint(endpoint, [request])
