@@ -3,6 +3,7 @@ through it reproduces known qualitative results at a 70B scale on a CPU."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -187,3 +188,16 @@ def test_the_same_seed_gives_the_same_result(model_70b: Path) -> None:
     second = run_simulation(settings(model_70b), workload)
     assert first.requests == second.requests
     assert first.duration_s == second.duration_s
+
+
+def test_requests_the_engine_refuses_are_counted_not_fatal(model_70b: Path) -> None:
+    workload = synthetic(
+        20, Lengths("fixed", 100), Lengths("fixed", 10), Arrivals("poisson", 50.0), seed=1
+    )
+    too_long = dataclasses.replace(workload[7], prompt_token_ids=[5] * 5000)  # > 4096
+    workload = [*workload[:7], too_long, *workload[8:]]
+    result = run_simulation(settings(model_70b), workload)
+    assert len(result.errors) == 1
+    assert "5000 tokens" in result.errors[0]
+    assert len(result.requests) == 19
+    assert all(r.output_len == 10 for r in result.requests)

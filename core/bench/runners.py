@@ -13,6 +13,7 @@ from typing import Any
 from brigade.bench.endpoint import Endpoint, run_endpoint
 from brigade.bench.report import BenchError, RequestTiming, RunMetrics
 from brigade.bench.workloads import FIRST_TOKEN_ID, WorkloadRequest
+from brigade.errors import RequestError
 
 __all__ = ["Progress", "run_on_endpoint", "run_real", "run_simulated", "warm_up"]
 
@@ -33,7 +34,23 @@ def run_simulated(
     timings = [
         RequestTiming(r.ttft_s, r.e2e_s, r.output_len, r.itl_s, r.priority) for r in result.requests
     ]
-    return timings, RunMetrics(result.duration_s, result.num_preemptions, result.prefix_hit_rate)
+    _report_refused(path or "default", result.errors, len(workload))
+    metrics = RunMetrics(
+        result.duration_s,
+        result.num_preemptions,
+        result.prefix_hit_rate,
+        num_failed=len(result.errors),
+    )
+    return timings, metrics
+
+
+def _report_refused(name: str, errors: Sequence[str], total: int) -> None:
+    if errors:
+        print(
+            f"brigade bench: {name}: the engine refused {len(errors)} of {total} requests "
+            f"(counted as failed); first: {errors[0]}",
+            file=sys.stderr,
+        )
 
 
 def run_real(
@@ -50,16 +67,22 @@ def run_real(
     last_token: dict[int, float] = {}
     gaps: dict[int, list[float]] = {}
     timings: dict[int, RequestTiming] = {}
+    errors: list[str] = []
     while pending or engine.has_unfinished():
         now = time.perf_counter() - start
         while pending and workload[pending[0]].arrival_time - offset <= now:
             index = pending.popleft()
             request = workload[index]
             params = SamplingParams(max_tokens=request.output_len, temperature=0.0, ignore_eos=True)
-            engine.add_request(
-                f"{prefix}{index}", request.prompt_token_ids, params, priority=request.priority
-            )
+            try:
+                engine.add_request(
+                    f"{prefix}{index}", request.prompt_token_ids, params, priority=request.priority
+                )
+            except RequestError as exc:  # counted as failed, the run goes on
+                errors.append(f"request {index}: {exc}")
         if not engine.has_unfinished():
+            if not pending:
+                break
             # Idle: wait for the next arrival, never longer than its gap.
             time.sleep(max(0.0, workload[pending[0]].arrival_time - offset - now))
             continue
@@ -92,7 +115,9 @@ def run_real(
         duration_s=time.perf_counter() - start,
         num_preemptions=after.num_preemptions - before.num_preemptions,
         prefix_hit_rate=hits / queries if queries else 0.0,
+        num_failed=len(errors),
     )
+    _report_refused(prefix.rstrip("-") or "engine", errors, len(workload))
     return [timings[i] for i in sorted(timings)], run
 
 

@@ -18,6 +18,7 @@ import torch
 from brigade.bench.workloads import WorkloadRequest
 from brigade.config import load_config
 from brigade.engine import EngineCore
+from brigade.errors import RequestError
 from brigade.interfaces import SamplingParams
 from brigade.registry import Registry, default_registry
 
@@ -53,6 +54,8 @@ class SimulationResult:
     prefix_hit_rate: float
     wall_s: float
     """Real seconds the simulation took on this machine."""
+    errors: tuple[str, ...] = ()
+    """One message per request the engine refused (e.g. a prompt longer than the context)."""
 
     @property
     def output_tokens(self) -> int:
@@ -121,16 +124,21 @@ def _simulate(
     last_token: dict[int, float] = {}
     gaps: dict[int, list[float]] = {}
     records: dict[int, RequestRecord] = {}
+    errors: list[str] = []
     while pending or engine.has_unfinished():
         while pending and workload[pending[0]].arrival_time <= executor.clock:
             index = pending.popleft()
             request = workload[index]
             params = SamplingParams(max_tokens=request.output_len, temperature=0.0, ignore_eos=True)
-            engine.add_request(
-                str(index), request.prompt_token_ids, params, priority=request.priority
-            )
+            try:
+                engine.add_request(
+                    str(index), request.prompt_token_ids, params, priority=request.priority
+                )
+            except RequestError as exc:  # counted as failed, the run goes on
+                errors.append(f"request {index}: {exc}")
         if not engine.has_unfinished():
-            executor.clock = workload[pending[0]].arrival_time
+            if pending:
+                executor.clock = workload[pending[0]].arrival_time
             continue
         clock_before = executor.clock
         updates = engine.step()
@@ -168,4 +176,5 @@ def _simulate(
         num_preemptions=stats.num_preemptions,
         prefix_hit_rate=stats.prefix_hit_rate,
         wall_s=time.perf_counter() - started,
+        errors=tuple(errors),
     )
