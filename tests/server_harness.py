@@ -15,6 +15,24 @@ from pathlib import Path
 import httpx
 
 
+def tiny_model(root: Path) -> Path:
+    """A 2-layer tiny Llama built under ``root`` (what the server tests serve)."""
+    from brigade.models.create import create_model
+
+    return create_model(root / "tiny", "llama", overrides={"num_hidden_layers": 2})
+
+
+def tiny_server_config(
+    model_dir: Path, *, max_model_len: int, num_pages: int, server: str = ""
+) -> str:
+    """A server config for ``model_dir`` with 8-token pages, serving it as ``tiny``."""
+    return (
+        f'[model]\npath = "{model_dir}"\nmax_model_len = {max_model_len}\n'
+        f"[kv]\npage_size = 8\nnum_pages = {num_pages}\n"
+        f'[server]\nserved_model_name = "tiny"\n{server}'
+    )
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -8,13 +8,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from server_harness import free_port, running_server
+from server_harness import free_port, running_server, tiny_model, tiny_server_config
 
 from brigade.bench.cli import parse_workload
 from brigade.bench.endpoint import Endpoint, run_endpoint, text_prompt
 from brigade.bench.report import BenchError
 from brigade.cli import main
-from brigade.models.create import create_model
 
 WORKLOAD = "synthetic:requests=8,prompt=uniform:4:24,output=fixed:6,rate=100,priorities=0:1/1:1"
 KEY = "bench-key"
@@ -22,23 +21,14 @@ KEY = "bench-key"
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("bench-http")
-    return create_model(root / "tiny", "llama", overrides={"num_hidden_layers": 2})
+    return tiny_model(tmp_path_factory.mktemp("bench-http"))
 
 
 @pytest.fixture(scope="module")
 def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    config = f"""
-[model]
-path = "{model_dir}"
-max_model_len = 256
-[kv]
-page_size = 8
-num_pages = 256
-[server]
-api_keys = ["{KEY}"]
-served_model_name = "tiny"
-"""
+    config = tiny_server_config(
+        model_dir, max_model_len=256, num_pages=256, server=f'api_keys = ["{KEY}"]\n'
+    )
     with running_server(config, tmp_path_factory.mktemp("srv")) as (base, _):
         yield f"{base}/v1"
 

@@ -12,7 +12,11 @@ import torch
 from brigade import LLM, SamplingParams
 from brigade.errors import RequestError
 from brigade.models.create import create_model
-from brigade.testing.parity import assert_greedy_match, assert_same_greedy_outputs
+from brigade.testing.parity import (
+    assert_greedy_match,
+    assert_same_greedy_outputs,
+    reference_greedy,
+)
 
 ATOL = 1e-4
 """fp32 logits of the tiny models (std ~4): brigade vs transformers differ by ~1e-5."""
@@ -63,22 +67,8 @@ def test_greedy_matches_transformers_on_a_mixed_batch(arch: str, model_dirs: dic
     ).eval()
     distinct = set()
     for prompt, result in zip(token_prompts, ours, strict=True):
-        input_ids = torch.tensor([prompt])
-        generated = reference.generate(
-            input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            max_new_tokens=GREEDY.max_tokens,
-            min_new_tokens=GREEDY.max_tokens,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-        theirs = generated.sequences[0, len(prompt) :].tolist()
+        theirs, score = reference_greedy(reference, prompt, GREEDY.max_tokens)
         distinct.update(theirs)
-
-        def score(step: int, token: int, logits: tuple = generated.logits) -> float:
-            return float(logits[step][0, token])
-
         assert_greedy_match(result.outputs[0].token_ids, theirs, score, atol=ATOL, label=arch)
     assert len(distinct) >= 8, f"uninformative continuations: {distinct}"
     assert llm.engine.num_steps > GREEDY.max_tokens, "the budget should have forced chunking"

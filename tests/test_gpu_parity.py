@@ -30,7 +30,7 @@ from brigade.plugins.attention.triton_backend import triton_interpreting
 from brigade.plugins.executors.cuda_graph import CudaGraphExecutor, CudaGraphExecutorOptions
 from brigade.plugins.executors.graph_runner import RerunGraphRunner
 from brigade.registry import Registry, load_registry
-from brigade.testing.parity import assert_greedy_match
+from brigade.testing.parity import assert_greedy_match, reference_greedy
 
 FP32_TIE_MARGIN = 1e-4
 """fp32 logits (|logit| up to ~18): brigade and transformers differ by ~1e-5 (test_engine)."""
@@ -184,23 +184,8 @@ def test_greedy_matches_transformers_generate(
     distinct: set[int] = set()
     matched = 0
     for index, (prompt, tokens) in enumerate(zip(token_prompts, ours, strict=True)):
-        input_ids = torch.tensor([prompt], device=variant.device)
-        generated = reference.generate(
-            input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            max_new_tokens=GREEDY.max_tokens,
-            min_new_tokens=GREEDY.max_tokens,
-            do_sample=False,
-            eos_token_id=None,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-        theirs = generated.sequences[0, len(prompt) :].tolist()
+        theirs, score = reference_greedy(reference, prompt, GREEDY.max_tokens)
         distinct.update(theirs)
-
-        def score(step: int, token: int, logits: tuple = generated.logits) -> float:
-            return float(logits[step][0, token])
-
         matched += assert_greedy_match(
             tokens, theirs, score, atol=variant.tie_margin, label=f"prompt {index}"
         )

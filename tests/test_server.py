@@ -13,33 +13,24 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from server_harness import running_server
-
-from brigade.models.create import create_model
+from server_harness import running_server, tiny_model, tiny_server_config
 
 KEY = "test-key"
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("served")
-    return create_model(root / "tiny", "llama", overrides={"num_hidden_layers": 2})
+    return tiny_model(tmp_path_factory.mktemp("served"))
 
 
 @pytest.fixture(scope="module")
 def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    config = f"""
-[model]
-path = "{model_dir}"
-max_model_len = 512
-[kv]
-page_size = 8
-num_pages = 400
-[server]
-api_keys = ["{KEY}"]
-served_model_name = "tiny"
-max_request_bytes = 4096
-"""
+    config = tiny_server_config(
+        model_dir,
+        max_model_len=512,
+        num_pages=400,
+        server=f'api_keys = ["{KEY}"]\nmax_request_bytes = 4096\n',
+    )
     with running_server(config, tmp_path_factory.mktemp("srv")) as (base, _):
         yield base
 

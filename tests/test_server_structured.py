@@ -10,9 +10,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from server_harness import running_server
-
-from brigade.models.create import create_model
+from server_harness import running_server, tiny_model, tiny_server_config
 
 SCHEMA = {
     "type": "object",
@@ -44,19 +42,8 @@ MESSAGES = [{"role": "user", "content": "What is the weather in Oslo?"}]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    model_dir = create_model(
-        tmp_path_factory.mktemp("model") / "tiny", "llama", overrides={"num_hidden_layers": 2}
-    )
-    config = f"""
-[model]
-path = "{model_dir}"
-max_model_len = 512
-[kv]
-page_size = 8
-num_pages = 400
-[server]
-served_model_name = "tiny"
-"""
+    model_dir = tiny_model(tmp_path_factory.mktemp("model"))
+    config = tiny_server_config(model_dir, max_model_len=512, num_pages=400)
     with running_server(config, tmp_path_factory.mktemp("srv")) as (base, _):
         yield base
 

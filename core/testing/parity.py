@@ -9,9 +9,15 @@ a reason other than noise. After a divergence nothing more can be compared.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
-__all__ = ["GreedyOutput", "TokenScores", "assert_greedy_match", "assert_same_greedy_outputs"]
+__all__ = [
+    "GreedyOutput",
+    "TokenScores",
+    "assert_greedy_match",
+    "assert_same_greedy_outputs",
+    "reference_greedy",
+]
 
 
 class TokenScores(Protocol):
@@ -31,6 +37,36 @@ class TokenScores(Protocol):
 
 GreedyOutput = tuple[Sequence[int], Sequence[TokenScores | None] | None]
 """One request's greedy tokens and the log probabilities brigade returned for them."""
+
+
+def reference_greedy(
+    model: Any, prompt: Sequence[int], max_tokens: int
+) -> tuple[list[int], Callable[[int, int], float]]:
+    """A transformers model's greedy continuation of ``prompt`` and a scorer of its logits.
+
+    Exactly ``max_tokens`` tokens (EOS does not stop it); the scorer is what
+    :func:`assert_greedy_match` takes as ``reference_score``.
+    """
+    import torch
+
+    device = next(model.parameters()).device
+    input_ids = torch.tensor([list(prompt)], device=device)
+    generated = model.generate(
+        input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        max_new_tokens=max_tokens,
+        min_new_tokens=max_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    logits = generated.logits
+
+    def score(step: int, token: int) -> float:
+        return float(logits[step][0, token])
+
+    return generated.sequences[0, len(prompt) :].tolist(), score
 
 
 def assert_greedy_match(
