@@ -39,7 +39,7 @@ def test_no_file_means_defaults(registry: Registry) -> None:
         "scheduler": "fcfs",
         "executor": "torch",
         "attention": "sdpa",
-        "sampler": "standard",
+        "sampler": "xgrammar",
         "detokenizer": "incremental",
     }
 
