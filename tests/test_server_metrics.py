@@ -15,6 +15,7 @@ HISTOGRAMS = [
     "brigade:inter_token_latency_seconds",
     "brigade:e2e_request_latency_seconds",
     "brigade:request_queue_time_seconds",
+    "brigade:grammar_wait_seconds",
 ]
 GAUGES = [
     "brigade:num_requests_running",
@@ -27,6 +28,7 @@ COUNTERS = [
     "brigade:prefix_cache_queries_total",
     "brigade:prefix_cache_hits_total",
     "brigade:num_preemptions_total",
+    "brigade:grammar_errors_total",
     "brigade:request_success_total",
 ]
 
@@ -106,6 +108,21 @@ def test_finished_requests_count_tokens_and_reasons() -> None:
     assert value(metrics, "brigade:generation_tokens_total") == 19
     for reason in FINISH_REASONS:
         assert value(metrics, "brigade:request_success_total", finished_reason=reason) == 1
+
+
+def test_grammars_are_counted_by_kind_with_their_wait_and_errors() -> None:
+    metrics = ServerMetrics(MODEL)
+    metrics.observe_grammar("json_schema", 0.2, valid=True)
+    metrics.observe_grammar("json_schema", 0.0, valid=True)
+    metrics.observe_grammar("regex", 0.01, valid=False)
+    assert value(metrics, "brigade:structured_output_requests_total", kind="json_schema") == 2
+    assert value(metrics, "brigade:structured_output_requests_total", kind="regex") == 1
+    assert value(metrics, "brigade:structured_output_requests_total", kind="ebnf") == 0
+    assert value(metrics, "brigade:grammar_wait_seconds_count") == 3
+    assert value(metrics, "brigade:grammar_wait_seconds_bucket", le="0.001") == 1
+    assert value(metrics, "brigade:grammar_errors_total") == 1
+    with pytest.raises(ValueError, match="unknown grammar kind 'yaml'"):
+        metrics.observe_grammar("yaml", 0.0, valid=True)
 
 
 def test_unknown_finish_reason_is_refused() -> None:

@@ -10,6 +10,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from server_harness import running_server, tiny_model, tiny_server_config
 
 SCHEMA = {
@@ -242,3 +243,31 @@ def test_invalid_grammars_are_400_with_the_reason(
     health = httpx.get(f"{server}/health", timeout=10).json()
     assert health["status"] == "ok"
     assert health["num_running"] == 0
+
+
+def test_grammar_metrics(server: str, client: openai.OpenAI) -> None:
+    def sample(name: str, **labels: str) -> float:
+        text = httpx.get(f"{server}/metrics", timeout=10).text
+        for family in text_string_to_metric_families(text):
+            for found in family.samples:
+                if found.name == name and labels.items() <= found.labels.items():
+                    return float(found.value)
+        raise AssertionError(f"{name} {labels} not exported")
+
+    requests = "brigade:structured_output_requests_total"
+    before, errors = sample(requests, kind="json_schema"), sample("brigade:grammar_errors_total")
+    client.chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,
+        response_format=RESPONSE_FORMAT,  # type: ignore[arg-type]
+        max_tokens=128,
+    )
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(
+            model="tiny",
+            messages=MESSAGES,
+            response_format={"type": "regex", "regex": "a(b"},  # type: ignore[arg-type]
+            max_tokens=8,
+        )
+    assert sample(requests, kind="json_schema") == before + 1
+    assert sample("brigade:grammar_errors_total") == errors + 1

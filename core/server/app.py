@@ -326,13 +326,19 @@ def _admit(
 async def _prepare_grammar(state: ServerState, params: SamplingParams, param: str) -> None:
     """Compile the request's grammar before answering (off the engine's step loop): an
     invalid one is a 400 naming ``param``, before any token is generated."""
+    spec = params.structured_output
+    if spec is None:
+        return
     engine = state.async_engine.engine
+    started = time.monotonic()
     try:
         gate = engine.prepare(params)
         if gate is not None:
             await asyncio.wrap_future(gate)
     except (RequestError, ValueError) as exc:
+        state.metrics.observe_grammar(spec.kind, time.monotonic() - started, valid=False)
         raise ProtocolError(str(exc), param=param) from None
+    state.metrics.observe_grammar(spec.kind, time.monotonic() - started, valid=True)
 
 
 async def _first(stream: AsyncGenerator[ChoiceDelta, None]) -> AsyncGenerator[ChoiceDelta, None]:

@@ -19,6 +19,8 @@ from prometheus_client import (
     generate_latest,
 )
 
+from brigade.interfaces import STRUCTURED_OUTPUT_KINDS
+
 __all__ = ["FINISH_REASONS", "ServerMetrics"]
 
 FINISH_REASONS = ("stop", "length", "abort")
@@ -38,6 +40,9 @@ INTER_TOKEN_BUCKETS = (
 E2E_BUCKETS = (
     0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
     60.0, 120.0, 240.0, 480.0, 960.0, 1920.0,
+)  # fmt: skip
+GRAMMAR_BUCKETS = (
+    0.0001, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 )  # fmt: skip
 QUEUE_BUCKETS = (
     0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0,
@@ -115,6 +120,24 @@ class ServerMetrics:
             registry=registry,
         )
         self._success = {reason: success.labels(model_name, reason) for reason in FINISH_REASONS}
+        structured = Counter(
+            "brigade:structured_output_requests_total",
+            "Requests with a grammar (response_format or tool calls), by grammar kind.",
+            ["model_name", "kind"],
+            registry=registry,
+        )
+        self._structured = {
+            kind: structured.labels(model_name, kind) for kind in STRUCTURED_OUTPUT_KINDS
+        }
+        self._grammar_wait = histogram(
+            "brigade:grammar_wait_seconds",
+            "Time a request waited for its compiled grammar (near 0 on a cache hit).",
+            GRAMMAR_BUCKETS,
+        )
+        self._grammar_errors = counter(
+            "brigade:grammar_errors_total",
+            "Requests refused because their schema, regex or grammar was invalid.",
+        )
         # Previous cumulative engine totals; the counters advance by the difference.
         self._last_prefix_queries = 0
         self._last_prefix_hits = 0
@@ -146,6 +169,19 @@ class ServerMetrics:
         self._prompt_tokens.inc(prompt_tokens)
         self._generation_tokens.inc(generation_tokens)
         self._e2e.observe(e2e_s)
+
+    def observe_grammar(self, kind: str, wait_s: float, *, valid: bool) -> None:
+        """Record a request's grammar: its kind, the wait for its compilation, and whether it
+        compiled (an invalid one is refused with a 400)."""
+        counter = self._structured.get(kind)
+        if counter is None:
+            raise ValueError(
+                f"unknown grammar kind {kind!r}; expected one of {STRUCTURED_OUTPUT_KINDS}"
+            )
+        counter.inc()
+        self._grammar_wait.observe(wait_s)
+        if not valid:
+            self._grammar_errors.inc()
 
     def set_components(self, components: dict[str, str]) -> None:
         """Publish which plugin runs each station (``brigade:engine_info``, value 1), so
