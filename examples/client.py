@@ -6,8 +6,18 @@ python examples/client.py --base-url http://127.0.0.1:8000/v1
 from __future__ import annotations
 
 import argparse
+import json
 
 import openai
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 24},
+        "temperature": {"type": "integer", "minimum": -60, "maximum": 60},
+    },
+    "required": ["city", "temperature"],
+}
 
 
 def main() -> None:
@@ -33,6 +43,26 @@ def main() -> None:
     ):
         print(chunk.choices[0].text if chunk.choices else "", end="", flush=True)
     print()
+
+    # Structured output: the answer always parses and matches the schema.
+    reply = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "The weather in Oslo, as JSON."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER}},
+        max_tokens=64,
+    )
+    print("json:", json.loads(reply.choices[0].message.content or ""))
+
+    # A forced tool call: its arguments are valid for the tool's parameters.
+    reply = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "What is the weather in Oslo?"}],
+        tools=[{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}],
+        tool_choice="required",
+        max_tokens=64,
+    )
+    for call in reply.choices[0].message.tool_calls or []:
+        print("tool call:", call.function.name, json.loads(call.function.arguments))
 
 
 if __name__ == "__main__":
