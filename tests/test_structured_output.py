@@ -20,7 +20,13 @@ import torch
 
 from brigade import LLM
 from brigade.errors import RequestError
-from brigade.interfaces import Request, SamplerParams, SamplingParams, StructuredOutput
+from brigade.interfaces import (
+    Request,
+    RequestStatus,
+    SamplerParams,
+    SamplingParams,
+    StructuredOutput,
+)
 from brigade.models.create import create_model
 from brigade.plugins.samplers.grammar import GrammarBackend, GrammarProcessor
 from brigade.testing.parity import assert_same_greedy_outputs
@@ -810,6 +816,45 @@ def test_rollback_restores_the_mask(llm: LLM) -> None:
         processor.finished_rows()
     processor.remove(2)
     assert not processor.is_active
+    backend.shutdown()
+
+
+def test_a_preempted_request_keeps_its_matcher(llm: LLM) -> None:
+    engine = llm.engine
+    params = SamplerParams(
+        4,
+        engine.vocab_size,
+        "cpu",
+        model_dir=str(engine.model_dir),
+        eos_token_ids=tuple(sorted(engine.eos_token_ids)),
+    )
+    backend = GrammarBackend(params)
+    processor = GrammarProcessor(params, backend)
+    request = Request(
+        "r",
+        [5, 6],
+        SamplingParams(structured_output=schema_output("nested_objects")),
+        engine.eos_token_ids,
+    )
+    processor.add(1, request)
+    for token in llm.tokenizer.encode('{"user": {"first": "a', add_special_tokens=False):
+        processor.accept_batch([1], [token])
+        request.output_token_ids.append(token)
+    before = allowed_tokens(processor, 1, engine.vocab_size)
+    kept = processor._matchers[1]
+    request.status = RequestStatus.PREEMPTED
+    processor.remove(1)
+    assert not processor.is_active
+    backend._cache.clear()  # even with the grammar evicted, nothing is recompiled
+    compiled = backend.num_compiled
+    request.status = RequestStatus.RUNNING
+    processor.add(3, request)
+    assert processor._matchers[3] is kept, "the preempted request's matcher comes back"
+    assert backend.num_compiled == compiled
+    assert torch.equal(allowed_tokens(processor, 3, engine.vocab_size), before)
+    request.status = RequestStatus.FINISHED_ABORTED
+    processor.remove(3)
+    assert not processor._preempted, "a finished request's matcher is not kept"
     backend.shutdown()
 
 

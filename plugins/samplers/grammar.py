@@ -388,6 +388,9 @@ class GrammarProcessor(LogitsProcessor):
         self.backend = backend
         self._xgr = xgr
         self._matchers: dict[int, Any] = {}
+        self._requests: dict[int, Request] = {}
+        self._preempted: dict[str, tuple[Request, Any, int]] = {}
+        """Preempted requests' matchers, with the output length they had accepted."""
         # Host bitmask, one row per sampled row of a step: -1 (all allowed) unless filled.
         self._bitmask = xgr.allocate_token_bitmask(params.max_num_seqs, params.vocab_size)
         self._scratch = xgr.allocate_token_bitmask(1, params.vocab_size)
@@ -406,9 +409,14 @@ class GrammarProcessor(LogitsProcessor):
         return None if spec is None else self.backend.compile(spec)
 
     def add(self, row: int, request: Request) -> None:
-        """A matcher for the row, replaying tokens already emitted (after a preemption)."""
+        """The row's matcher: a preempted request's own, kept with its state, else a new one
+        that replays the tokens already emitted."""
         spec = request.sampling_params.structured_output
         if spec is None:
+            return
+        kept = self._preempted.pop(request.request_id, None)
+        if kept is not None and kept[2] == request.num_output_tokens:
+            self._matchers[row], self._requests[row] = kept[1], request
             return
         compiled = self.backend.compile(spec).result()  # ready: core gates until it is
         matcher = self._xgr.GrammarMatcher(compiled, max_rollback_tokens=-1)
@@ -418,10 +426,20 @@ class GrammarProcessor(LogitsProcessor):
                     f"request {request.request_id!r}: emitted token {token} does not match "
                     "its grammar"
                 )
-        self._matchers[row] = matcher
+        self._matchers[row], self._requests[row] = matcher, request
 
     def remove(self, row: int) -> None:
-        self._matchers.pop(row, None)
+        """Forget the row; a request leaving it unfinished (preempted) keeps its matcher."""
+        matcher = self._matchers.pop(row, None)
+        request = self._requests.pop(row, None)
+        if matcher is None or request is None:
+            return
+        # Requests that finished while preempted never come back: drop their matchers.
+        for request_id, (other, _, _) in list(self._preempted.items()):
+            if other.is_finished:
+                del self._preempted[request_id]
+        if not request.is_finished:
+            self._preempted[request.request_id] = (request, matcher, request.num_output_tokens)
 
     @property
     def is_active(self) -> bool:
