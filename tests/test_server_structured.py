@@ -55,31 +55,23 @@ def client(server: str) -> openai.OpenAI:
 
 
 def test_json_schema_chat_with_n_seeds_and_temperature(client: openai.OpenAI) -> None:
-    response = client.chat.completions.create(
-        model="tiny",
-        messages=MESSAGES,
-        response_format=RESPONSE_FORMAT,  # type: ignore[arg-type]
-        max_tokens=128,
-        n=4,
-        seed=7,
-        temperature=1.0,
-    )
-    assert len(response.choices) == 4
-    for choice in response.choices:
-        assert choice.finish_reason == "stop", choice.message.content
-        jsonschema.validate(json.loads(choice.message.content or ""), SCHEMA)
-    again = client.chat.completions.create(
-        model="tiny",
-        messages=MESSAGES,
-        response_format=RESPONSE_FORMAT,  # type: ignore[arg-type]
-        max_tokens=128,
-        n=4,
-        seed=7,
-        temperature=1.0,
-    )
-    assert [c.message.content for c in again.choices] == [
-        c.message.content for c in response.choices
-    ], "same seed, same answers"
+    def answers() -> list[str | None]:
+        response = client.chat.completions.create(
+            model="tiny",
+            messages=MESSAGES,
+            response_format=RESPONSE_FORMAT,  # type: ignore[arg-type]
+            max_tokens=128,
+            n=4,
+            seed=7,
+            temperature=1.0,
+        )
+        assert len(response.choices) == 4
+        for choice in response.choices:
+            assert choice.finish_reason == "stop", choice.message.content
+            jsonschema.validate(json.loads(choice.message.content or ""), SCHEMA)
+        return [choice.message.content for choice in response.choices]
+
+    assert answers() == answers(), "same seed, same answers"
 
 
 def test_json_schema_streams(client: openai.OpenAI) -> None:

@@ -780,7 +780,8 @@ def allowed_tokens(processor: GrammarProcessor, row: int, vocab_size: int) -> to
     return torch.isfinite(logits[0])
 
 
-def test_rollback_restores_the_mask(llm: LLM) -> None:
+def grammar_stage(llm: LLM) -> tuple[GrammarBackend, GrammarProcessor]:
+    """A grammar backend and processor of 4 rows for ``llm``'s model, outside its engine."""
     engine = llm.engine
     params = SamplerParams(
         4,
@@ -790,7 +791,12 @@ def test_rollback_restores_the_mask(llm: LLM) -> None:
         eos_token_ids=tuple(sorted(engine.eos_token_ids)),
     )
     backend = GrammarBackend(params)
-    processor = GrammarProcessor(params, backend)
+    return backend, GrammarProcessor(params, backend)
+
+
+def test_rollback_restores_the_mask(llm: LLM) -> None:
+    engine = llm.engine
+    backend, processor = grammar_stage(llm)
     name = "nested_objects"
     request = Request(
         "r", [5, 6], SamplingParams(structured_output=schema_output(name)), engine.eos_token_ids
@@ -821,15 +827,7 @@ def test_rollback_restores_the_mask(llm: LLM) -> None:
 
 def test_a_preempted_request_keeps_its_matcher(llm: LLM) -> None:
     engine = llm.engine
-    params = SamplerParams(
-        4,
-        engine.vocab_size,
-        "cpu",
-        model_dir=str(engine.model_dir),
-        eos_token_ids=tuple(sorted(engine.eos_token_ids)),
-    )
-    backend = GrammarBackend(params)
-    processor = GrammarProcessor(params, backend)
+    backend, processor = grammar_stage(llm)
     request = Request(
         "r",
         [5, 6],
