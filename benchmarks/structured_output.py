@@ -31,20 +31,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import random
 import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
+from offline_throughput import model_dir  # same directory: the shared bench-model cache
 
 from brigade import LLM, SamplingParams
 from brigade.interfaces import StructuredOutput
-from brigade.models.create import create_model
 
 VOCAB = (10, 4000)
 """Token ids drawn for prompts (the bench models' vocabulary, special tokens left out)."""
@@ -72,14 +70,6 @@ def schema(items: int) -> dict[str, Any]:
         "required": ["rows"],
         "additionalProperties": False,
     }
-
-
-def model_dir(size: str, arch: str) -> Path:
-    root = Path(os.environ.get("BRIGADE_CACHE_DIR", Path.home() / ".cache" / "brigade"))
-    path = root / "bench" / f"{arch}-{size}"
-    if not (path / "model.safetensors").exists():
-        create_model(path, arch, size)
-    return path
 
 
 @dataclasses.dataclass

@@ -84,9 +84,10 @@ _LOOKAROUND = re.compile(r"\(\?<?[=!]")
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (?:Warning: )?")
 """XGrammar's C++ error prefix (``[14:11:21] /project/cpp/file.cc:94: ``)."""
 
-_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+# Where check_json_schema looks for subschemas (keywords it refuses outright are not walked).
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SUBSCHEMAS = ("items", "additionalProperties", "contains", "propertyNames", "not")
+_SUBSCHEMAS = ("items", "additionalProperties", "propertyNames")
 
 
 def check_json_schema(schema: object, path: str = "#") -> None:
@@ -247,10 +248,6 @@ class GrammarBackend:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.params.vocab_size
 
     def _compile(self, spec: StructuredOutput) -> Any:
         compiler = self._get_compiler()
