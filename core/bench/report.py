@@ -15,6 +15,7 @@ __all__ = [
     "RequestTiming",
     "RunMetrics",
     "Summary",
+    "TokenTimes",
     "confidence_interval",
     "parse_slo",
     "percentile",
@@ -39,6 +40,28 @@ _T_975 = (
 
 class BenchError(BrigadeError, ValueError):
     """A ``brigade bench`` argument (SLO, workload spec, config) is not valid."""
+
+
+class TokenTimes:
+    """When each request's tokens came: its first token and the gaps between the next ones."""
+
+    def __init__(self) -> None:
+        self._first: dict[int, float] = {}
+        self._last: dict[int, float] = {}
+        self._gaps: dict[int, list[float]] = {}
+
+    def token(self, index: int, now: float) -> None:
+        """Request ``index`` got a token at ``now``."""
+        if index in self._last:
+            self._gaps[index].append(now - self._last[index])
+        else:
+            self._first[index], self._gaps[index] = now, []
+        self._last[index] = now
+
+    def finish(self, index: int) -> tuple[float, tuple[float, ...]]:
+        """Request ``index`` is done: its first token's time and its gaps (then forgotten)."""
+        del self._last[index]
+        return self._first.pop(index), tuple(self._gaps.pop(index))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -11,9 +11,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from brigade.bench.endpoint import Endpoint, run_endpoint
-from brigade.bench.report import BenchError, RequestTiming, RunMetrics
-from brigade.bench.workloads import FIRST_TOKEN_ID, WorkloadRequest
-from brigade.errors import RequestError
+from brigade.bench.report import BenchError, RequestTiming, RunMetrics, TokenTimes
+from brigade.bench.workloads import FIRST_TOKEN_ID, WorkloadRequest, submit
 
 __all__ = ["Progress", "run_on_endpoint", "run_real", "run_simulated", "warm_up"]
 
@@ -57,29 +56,19 @@ def run_real(
     engine: Any, workload: Sequence[WorkloadRequest], prefix: str, progress: Progress
 ) -> tuple[list[RequestTiming], RunMetrics]:
     """Feed ``workload`` to ``engine`` at its arrival times on the wall clock."""
-    from brigade.interfaces import SamplingParams
 
     before = engine.stats()
     pending = deque(sorted(range(len(workload)), key=lambda i: workload[i].arrival_time))
     start = time.perf_counter()
     offset = workload[pending[0]].arrival_time if pending else 0.0
-    first_token: dict[int, float] = {}
-    last_token: dict[int, float] = {}
-    gaps: dict[int, list[float]] = {}
+    times = TokenTimes()
     timings: dict[int, RequestTiming] = {}
     errors: list[str] = []
     while pending or engine.has_unfinished():
         now = time.perf_counter() - start
         while pending and workload[pending[0]].arrival_time - offset <= now:
             index = pending.popleft()
-            request = workload[index]
-            params = SamplingParams(max_tokens=request.output_len, temperature=0.0, ignore_eos=True)
-            try:
-                engine.add_request(
-                    f"{prefix}{index}", request.prompt_token_ids, params, priority=request.priority
-                )
-            except RequestError as exc:  # counted as failed, the run goes on
-                errors.append(f"request {index}: {exc}")
+            submit(engine, f"{prefix}{index}", workload[index], errors)
         if not engine.has_unfinished():
             if not pending:
                 break
@@ -93,18 +82,15 @@ def run_real(
         now = time.perf_counter() - start
         for update in updates:
             index = int(update.request.request_id.removeprefix(prefix))
-            if index in last_token:
-                gaps[index].append(now - last_token[index])
-            else:
-                first_token[index], gaps[index] = now, []
-            last_token[index] = now
+            times.token(index, now)
             if update.finished:
                 arrival = workload[index].arrival_time - offset
+                first, gaps = times.finish(index)
                 timings[index] = RequestTiming(
-                    first_token[index] - arrival,
+                    first - arrival,
                     now - arrival,
                     update.request.num_output_tokens,
-                    tuple(gaps.pop(index)),
+                    gaps,
                     workload[index].priority,
                 )
                 progress()

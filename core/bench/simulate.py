@@ -15,11 +15,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from brigade.bench.workloads import WorkloadRequest
+from brigade.bench.report import TokenTimes
+from brigade.bench.workloads import WorkloadRequest, submit
 from brigade.config import load_config
 from brigade.engine import EngineCore
-from brigade.errors import RequestError
-from brigade.interfaces import SamplingParams
 from brigade.registry import Registry, default_registry
 
 __all__ = ["RequestRecord", "SimulationResult", "run_simulation"]
@@ -120,22 +119,13 @@ def _simulate(
     pending = deque(order)
     start = workload[order[0]].arrival_time if order else 0.0
     executor.clock = start
-    first_token: dict[int, float] = {}
-    last_token: dict[int, float] = {}
-    gaps: dict[int, list[float]] = {}
+    times = TokenTimes()
     records: dict[int, RequestRecord] = {}
     errors: list[str] = []
     while pending or engine.has_unfinished():
         while pending and workload[pending[0]].arrival_time <= executor.clock:
             index = pending.popleft()
-            request = workload[index]
-            params = SamplingParams(max_tokens=request.output_len, temperature=0.0, ignore_eos=True)
-            try:
-                engine.add_request(
-                    str(index), request.prompt_token_ids, params, priority=request.priority
-                )
-            except RequestError as exc:  # counted as failed, the run goes on
-                errors.append(f"request {index}: {exc}")
+            submit(engine, str(index), workload[index], errors)
         if not engine.has_unfinished():
             if pending:
                 executor.clock = workload[pending[0]].arrival_time
@@ -148,22 +138,18 @@ def _simulate(
             executor.clock = max(executor.clock, workload[pending[0]].arrival_time)
         for update in updates:
             index = int(update.request.request_id)
-            if index in last_token:
-                gaps[index].append(executor.clock - last_token[index])
-            else:
-                first_token[index] = executor.clock
-                gaps[index] = []
-            last_token[index] = executor.clock
+            times.token(index, executor.clock)
             if update.finished:
                 request = workload[index]
+                first, gaps = times.finish(index)
                 records[index] = RequestRecord(
                     arrival_time=request.arrival_time,
-                    ttft_s=first_token[index] - request.arrival_time,
+                    ttft_s=first - request.arrival_time,
                     e2e_s=executor.clock - request.arrival_time,
                     prompt_len=len(request.prompt_token_ids),
                     output_len=update.request.num_output_tokens,
                     priority=request.priority,
-                    itl_s=tuple(gaps.pop(index)),
+                    itl_s=gaps,
                 )
                 if on_finished is not None:
                     on_finished()

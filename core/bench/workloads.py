@@ -13,7 +13,10 @@ import math
 import random
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
+
+from brigade.errors import RequestError
+from brigade.interfaces import SamplingParams
 
 __all__ = [
     "Arrivals",
@@ -24,6 +27,7 @@ __all__ = [
     "multi_turn",
     "save_trace",
     "shared_prefix",
+    "submit",
     "synthetic",
 ]
 
@@ -323,3 +327,13 @@ def save_trace(workload: Sequence[WorkloadRequest], path: str | Path) -> None:
                 "priority": request.priority,
             }
             file.write(json.dumps(record) + "\n")
+
+
+def submit(engine: Any, request_id: str, request: WorkloadRequest, errors: list[str]) -> None:
+    """Add ``request`` to an ``EngineCore`` with its fixed output length (greedy, EOS ignored);
+    a request the engine refuses is recorded in ``errors`` (counted as failed), not raised."""
+    params = SamplingParams(max_tokens=request.output_len, temperature=0.0, ignore_eos=True)
+    try:
+        engine.add_request(request_id, request.prompt_token_ids, params, priority=request.priority)
+    except RequestError as exc:
+        errors.append(f"request {request_id}: {exc}")
