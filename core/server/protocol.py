@@ -12,6 +12,7 @@ Brigade extensions: ``{"type": "regex", "regex": "..."}`` and ``{"type": "ebnf",
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Sequence
@@ -82,7 +83,7 @@ class ChatMessage(msgspec.Struct, omit_defaults=True):
         return "\n".join(part.text or "" for part in self.content)
 
 
-class _SamplingFields(msgspec.Struct, kw_only=True):
+class _SamplingFields(msgspec.Struct, kw_only=True, dict=True):
     """Sampling fields shared by both generation endpoints; None means the OpenAI default."""
 
     model: str | None = None
@@ -117,10 +118,14 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
             raise ProtocolError(
                 "stream_options is only allowed when stream is true.", param="stream_options"
             )
-        self.structured_output()  # validates response_format
+        self.structured_output()  # validates response_format (and tools)
 
     def structured_output(self) -> StructuredOutput | None:
-        """``response_format`` as a grammar, or None for plain text."""
+        """The grammar of the answer, or None for plain text (parsed once per request)."""
+        return self._grammar
+
+    @functools.cached_property
+    def _grammar(self) -> StructuredOutput | None:
         return _response_format(self.response_format)
 
 
@@ -162,11 +167,16 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
 
     def tool_choice_spec(self) -> ToolChoice | None:
         """The tools the model may or must call, or None when it may call none."""
+        return self._tool_choice
+
+    @functools.cached_property
+    def _tool_choice(self) -> ToolChoice | None:
         return parse_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
 
-    def structured_output(self) -> StructuredOutput | None:
-        """The grammar of the answer: ``response_format``'s, or the tool calls'."""
-        choice = self.tool_choice_spec()
+    @functools.cached_property
+    def _grammar(self) -> StructuredOutput | None:
+        """The tool calls' grammar, else ``response_format``'s."""
+        choice = self._tool_choice
         if choice is not None:
             return choice.structured_output()
         return _response_format(self.response_format)
