@@ -23,9 +23,17 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 class ModelSettings:
     path: str = option(
         "default",
-        help="Hugging Face-format model directory, or 'default' for the built-in tiny Llama",
+        help="a GGUF file, a Hugging Face model directory, a hub name in the local Hugging "
+        "Face cache, 'default' (SmolLM2-135M-Instruct) or 'random-tiny' (a random test model)",
     )
-    dtype: str = option("auto", help="weights and activations dtype", choices=DTYPES)
+    dtype: str = option(
+        "auto",
+        help="weights and activations dtype; auto = the checkpoint's (float32 for quantized GGUF)",
+        choices=DTYPES,
+    )
+    chat_template: str = option(
+        "", help="a Jinja chat template (file path or the template itself); '' = the model's"
+    )
     max_model_len: int = option(
         0, help="longest sequence (prompt + output); 0 = the model's own limit", ge=0
     )
