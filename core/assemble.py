@@ -3,22 +3,25 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from pathlib import Path
 
 from brigade.config import EngineConfig
 from brigade.errors import ConfigError, ModelLoadError
-from brigade.interfaces import AttentionBackend, Executor, ExecutorParams
+from brigade.interfaces import (
+    AttentionBackend,
+    Checkpoint,
+    Executor,
+    ExecutorParams,
+    ModelArchitecture,
+)
 from brigade.registry import Registry
-
-if TYPE_CHECKING:
-    from pathlib import Path
 
 __all__ = [
     "ModelPath",
     "build_executor",
     "kv_pool_pages",
-    "read_eos_token_ids",
-    "resolve_model_path",
+    "model_architecture",
+    "open_model",
 ]
 
 GIB = 1 << 30
@@ -26,34 +29,36 @@ GIB = 1 << 30
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ModelPath:
-    """An executor with its KV pool allocated, and where its model came from."""
+    """An executor with its KV pool allocated, and the checkpoint it loaded."""
 
     executor: Executor
-    model_dir: Path
+    checkpoint: Checkpoint
     num_pages: int
     page_size: int
     max_model_len: int
     host_pages: tuple[int, ...] = ()
     """Ids of the executor's host (swap) pages."""
 
-
-def resolve_model_path(config: EngineConfig) -> Path:
-    """``[model] path``, building the built-in default model on first use."""
-    from pathlib import Path
-
-    from brigade.models.create import default_model_dir
-
-    path = config["model"].settings.path
-    return default_model_dir() if path == "default" else Path(path).expanduser()
+    @property
+    def model_dir(self) -> Path:
+        """Where the model's files are (a directory or a GGUF file)."""
+        return Path(self.checkpoint.path)
 
 
-def build_executor(config: EngineConfig, registry: Registry) -> ModelPath:
+def open_model(config: EngineConfig) -> Checkpoint:
+    """Open ``[model] path`` (see ``brigade.models.checkpoint``); reads no weights."""
+    from brigade.models.checkpoint import open_checkpoint
+
+    settings = config["model"].settings
+    return open_checkpoint(settings.path, chat_template=settings.chat_template)
+
+
+def build_executor(
+    config: EngineConfig, registry: Registry, checkpoint: Checkpoint | None = None
+) -> ModelPath:
     """Create the attention backend and executor, load weights, allocate the KV pool."""
-    from brigade.models.loader import read_hf_config
-
-    model_dir = resolve_model_path(config)
-    hf_config = read_hf_config(model_dir)
-    architecture = _model_architecture(hf_config.get("architectures") or [], registry, model_dir)
+    checkpoint = checkpoint or open_model(config)
+    architecture = model_architecture(checkpoint, registry)
     attention_station = config["attention"]
     attention: AttentionBackend = registry.get("attention", config.plugin("attention")).factory(
         attention_station.options
@@ -61,7 +66,7 @@ def build_executor(config: EngineConfig, registry: Registry) -> ModelPath:
     model = config["model"].settings
     kv = config["kv"].settings
     params = ExecutorParams(
-        model_path=str(model_dir),
+        model_path=checkpoint.path,
         dtype=model.dtype,
         attention=attention,
         page_size=kv.page_size,
@@ -69,6 +74,7 @@ def build_executor(config: EngineConfig, registry: Registry) -> ModelPath:
         max_model_len=model.max_model_len,
         seed=model.seed,
         model_factory=architecture,
+        checkpoint=checkpoint,
     )
     executor_station = config["executor"]
     try:
@@ -85,7 +91,7 @@ def build_executor(config: EngineConfig, registry: Registry) -> ModelPath:
     executor.initialize_kv_cache(num_pages, num_host_pages)
     max_model_len = executor.kv_cache_spec().max_model_len
     host_pages = tuple(range(num_pages, num_pages + num_host_pages))
-    return ModelPath(executor, model_dir, num_pages, kv.page_size, max_model_len, host_pages)
+    return ModelPath(executor, checkpoint, num_pages, kv.page_size, max_model_len, host_pages)
 
 
 def kv_pool_pages(executor: Executor, config: EngineConfig) -> int:
@@ -121,34 +127,14 @@ def _host_pages(executor: Executor, config: EngineConfig) -> int:
     return int(config["kv"].settings.swap_space_gib * GIB // bytes_per_page)
 
 
-def _model_architecture(names: list[str], registry: Registry, model_dir: Path) -> object:
+def model_architecture(checkpoint: Checkpoint, registry: Registry) -> ModelArchitecture:
+    """The registered architecture for the checkpoint's ``architectures`` names."""
+    names = checkpoint.config.get("architectures") or []
     for name in names:
         if name in registry.names("model"):
-            return registry.get("model", name).factory()
+            architecture: ModelArchitecture = registry.get("model", name).factory()
+            return architecture
     raise ModelLoadError(
-        f"{model_dir}: architecture {', '.join(names) or '(none given)'} is not supported; "
-        f"supported: {', '.join(registry.names('model'))}"
+        f"{checkpoint.path}: architecture {', '.join(names) or '(none given)'} is not "
+        f"supported; supported: {', '.join(registry.names('model'))}"
     )
-
-
-def read_eos_token_ids(model_dir: Path) -> frozenset[int]:
-    """End-of-sequence ids: ``generation_config.json``'s, else ``config.json``'s."""
-    import json
-
-    from brigade.models.loader import read_hf_config
-
-    ids: object = None
-    generation = model_dir / "generation_config.json"
-    if generation.is_file():
-        try:
-            ids = json.loads(generation.read_text(encoding="utf-8")).get("eos_token_id")
-        except (OSError, ValueError) as exc:
-            raise ModelLoadError(f"{generation} is not valid JSON: {exc}") from exc
-    if ids is None:
-        ids = read_hf_config(model_dir).get("eos_token_id")
-    if ids is None:
-        return frozenset()
-    values = ids if isinstance(ids, list) else [ids]
-    if not all(isinstance(v, int) for v in values):
-        raise ModelLoadError(f"{model_dir}: eos_token_id must be an integer or a list of them")
-    return frozenset(values)

@@ -13,8 +13,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from brigade.errors import ConfigError, UnknownComponentError
-from brigade.interfaces import PageSizeRule
+from brigade.errors import ConfigError, ModelLoadError, UnknownComponentError
+from brigade.interfaces import Checkpoint, PageSizeRule
 from brigade.options import build_options, unknown_key_error
 from brigade.registry import Registry
 from brigade.stations import STATIONS, Station
@@ -86,11 +86,15 @@ def load_config(
     return EngineConfig(stations=stations, source=source)
 
 
-def check_config(config: EngineConfig, registry: Registry) -> list[str]:
+def check_config(
+    config: EngineConfig, registry: Registry, checkpoint: Checkpoint | None = None
+) -> list[str]:
     """Cross-station checks that need no model weights; returns notes for the user.
 
     Raises ``ConfigError`` when stations disagree (e.g. a page size the attention backend
-    cannot read, a model directory that does not exist).
+    cannot read) and ``ModelLoadError`` for a model that loading would refuse: a missing or
+    unreadable file, an unsupported architecture, tensor type or config value, a tokenizer or
+    chat template that cannot be built. ``checkpoint`` is the already opened model, if any.
     """
     notes: list[str] = []
     page_size = config["kv"].settings.page_size
@@ -107,22 +111,39 @@ def check_config(config: EngineConfig, registry: Registry) -> list[str]:
                 f"{config.source}: [kv] page_size = {page_size} cannot be used by {what} "
                 f"{chosen.plugin!r}; it needs {rule.describe()}"
             )
-    model_path = config["model"].settings.path
-    if model_path == "default":
-        notes.append("model: the built-in default model (built and cached on first use)")
-    else:
-        from brigade.models.loader import read_hf_config  # reads one JSON file, no weights
-
-        hf_config = read_hf_config(model_path)
-        names = hf_config.get("architectures") or []
-        supported = [n for n in names if n in registry.names("model")]
-        if not supported:
-            raise ConfigError(
-                f"{config.source}: [model] path {model_path!r} is a {', '.join(names)} model; "
-                f"supported architectures: {', '.join(registry.names('model'))}"
-            )
-        notes.append(f"model: {model_path} ({supported[0]})")
+    notes.append(f"model: {_check_model(config, registry, checkpoint)}")
     return notes
+
+
+def _check_model(config: EngineConfig, registry: Registry, checkpoint: Checkpoint | None) -> str:
+    """Open the model (no weights), check what loading checks, describe it in one line."""
+    from brigade.assemble import model_architecture
+    from brigade.models.checkpoint import open_checkpoint
+
+    settings = config["model"].settings
+    checkpoint = checkpoint or open_checkpoint(settings.path, chat_template=settings.chat_template)
+    where = f"{config.source}: [model] path {config['model'].settings.path!r}"
+    try:
+        architecture = model_architecture(checkpoint, registry)
+    except ModelLoadError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    try:
+        architecture.validate_config(checkpoint.config)
+    except ValueError as exc:
+        raise ModelLoadError(f"{where}: {exc}") from None
+    names = checkpoint.config.get("architectures") or ["?"]
+    described = f"{checkpoint.name} ({checkpoint.format}, {names[0]}) at {checkpoint.path}"
+    tokenizer = checkpoint.tokenizer()
+    if tokenizer is None:
+        return f"{described}; no tokenizer (token-id prompts only)"
+    vocab_size = checkpoint.config.get("vocab_size")
+    tokens = len(tokenizer)
+    if isinstance(vocab_size, int) and tokens > vocab_size:
+        raise ModelLoadError(
+            f"{where}: the tokenizer has {tokens} tokens but the model only {vocab_size} "
+            "embeddings; they are not from the same model"
+        )
+    return described
 
 
 def parse_override(text: str) -> tuple[str, dict[str, Any]]:

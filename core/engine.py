@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from brigade.assemble import build_executor, read_eos_token_ids
+from brigade.assemble import build_executor, open_model
 from brigade.config import EngineConfig, check_config
 from brigade.errors import ConfigError, RequestError
 from brigade.interfaces import (
@@ -88,14 +88,17 @@ class EngineCore:
     """Owns the scheduler, KV manager, executor, sampler and the persistent batch."""
 
     def __init__(self, config: EngineConfig, registry: Registry) -> None:
+        started = time.perf_counter()
         self.config = config
         self.hook = registry.hook
-        check_config(config, registry)  # cross-station rules, before loading weights
-        model = build_executor(config, registry)
+        self.checkpoint = open_model(config)
+        # Cross-station rules and the model's config and tokenizer, before loading weights.
+        check_config(config, registry, self.checkpoint)
+        model = build_executor(config, registry, self.checkpoint)
         self.executor, self.model_dir = model.executor, model.model_dir
         spec = self.executor.kv_cache_spec()
         self.vocab_size = spec.vocab_size
-        self.eos_token_ids = read_eos_token_ids(model.model_dir)
+        self.eos_token_ids = self.checkpoint.eos_token_ids
         settings = config["scheduler"].settings
         # A sequence never outgrows the pool, so a request alone always fits.
         self.max_model_len = min(model.max_model_len, model.num_pages * model.page_size)
@@ -131,8 +134,9 @@ class EngineCore:
                 settings.max_num_seqs,
                 self.vocab_size,
                 str(self.device),
-                model_dir=str(model.model_dir),
+                model_dir=self.checkpoint.path,
                 eos_token_ids=tuple(sorted(self.eos_token_ids)),
+                checkpoint=self.checkpoint,
             ),
             config["sampler"].options,
         )
@@ -156,6 +160,8 @@ class EngineCore:
         self._queue_time_total = 0.0
         self._num_scheduled = 0
         torch.manual_seed(config["model"].settings.seed)
+        self.load_time_s = time.perf_counter() - started
+        """Seconds from the start of construction until the engine could run (weights, KV)."""
         if self.hook is not None:
             self.hook.brigade_engine_started(components=config.components)
 

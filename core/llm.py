@@ -12,6 +12,7 @@ from brigade.config import EngineConfig, load_config
 from brigade.engine import EngineCore, TokenLogprob
 from brigade.errors import RequestError
 from brigade.interfaces import Detokenizer, Request, SamplingParams
+from brigade.models.checkpoint import require_tokenizer
 from brigade.registry import Registry, default_registry
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput"]
@@ -66,14 +67,12 @@ class LLM:
         overrides: Sequence[str] = (),
         registry: Registry | None = None,
     ) -> None:
-        from transformers import AutoTokenizer
-
         self.registry = registry or default_registry()
         if not isinstance(config, EngineConfig):
             config = load_config(config, self.registry, overrides=overrides)
         self.config = config
         self.engine = EngineCore(config, self.registry)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.engine.model_dir)
+        self.tokenizer = require_tokenizer(self.engine.checkpoint)
         station = config["detokenizer"]
         self.detokenizer: Detokenizer = self.registry.get(
             "detokenizer", config.plugin("detokenizer")

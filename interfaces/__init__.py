@@ -27,7 +27,7 @@ from brigade.interfaces.detokenizer import Detokenizer, TextDelta
 from brigade.interfaces.executor import Executor, ExecutorParams, KVCacheSpec
 from brigade.interfaces.hookspecs import BrigadeHookSpec, ComponentRegistry, hookimpl
 from brigade.interfaces.kv import Allocation, KVManager, KVPoolParams, KVStats
-from brigade.interfaces.model import CausalLM, ModelArchitecture
+from brigade.interfaces.model import CausalLM, Checkpoint, ModelArchitecture
 from brigade.interfaces.options import NoOptions, option
 from brigade.interfaces.request import Request, RequestStatus, ScheduledRequest, SchedulerOutput
 from brigade.interfaces.sampler import (
@@ -40,7 +40,7 @@ from brigade.interfaces.sampler import (
 from brigade.interfaces.sampling import STRUCTURED_OUTPUT_KINDS, SamplingParams, StructuredOutput
 from brigade.interfaces.scheduler import Scheduler, SchedulerParams, SchedulerStats
 
-API_VERSION = "1.1"
+API_VERSION = "1.2"
 """The plugin API version, "MAJOR.MINOR". MINOR grows when contracts gain backwards-compatible
 additions (a new optional method, a new field with a default): a plugin built for 1.0 runs on
 1.3, one built for 1.3 is refused by 1.0. MAJOR grows on any change that can break an existing
@@ -67,6 +67,7 @@ __all__ = [
     "AttentionLayer",
     "BrigadeHookSpec",
     "CausalLM",
+    "Checkpoint",
     "ComponentRegistry",
     "Detokenizer",
     "Executor",

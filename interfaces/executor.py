@@ -12,6 +12,7 @@ if TYPE_CHECKING:
 
     from brigade.interfaces.attention import AttentionBackend
     from brigade.interfaces.batch import ModelInput
+    from brigade.interfaces.model import Checkpoint
 
 __all__ = ["Executor", "ExecutorParams", "KVCacheSpec"]
 
@@ -21,7 +22,8 @@ class ExecutorParams:
     """What core hands every executor at construction (plugin options come separately)."""
 
     model_path: str
-    """A Hugging Face-format model directory."""
+    """Where the model's files are (a Hugging Face directory or a GGUF file); read them
+    through :attr:`checkpoint`."""
     dtype: str
     """'auto' (the checkpoint's), 'float32', 'bfloat16' or 'float16'."""
     attention: AttentionBackend
@@ -32,7 +34,10 @@ class ExecutorParams:
     """0 = the model's max_position_embeddings."""
     seed: int = 0
     model_factory: Any = None
-    """The ``ModelArchitecture`` for the directory's ``architectures`` name, chosen by core."""
+    """The ``ModelArchitecture`` for the checkpoint's ``architectures`` name, chosen by core."""
+    checkpoint: Checkpoint | None = None
+    """The opened model (config, weights); core always sets it (API 1.2). None only when a
+    test builds params by hand: the built-in executors then open ``model_path`` themselves."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

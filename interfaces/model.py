@@ -1,9 +1,9 @@
-"""ModelArchitecture: turns a Hugging Face config into a torch module that uses the paged KV."""
+"""Checkpoint and ModelArchitecture: a model's files, and the torch module that runs them."""
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -11,7 +11,55 @@ if TYPE_CHECKING:
 
     from brigade.interfaces.attention import AttentionBackend, AttentionLayer
 
-__all__ = ["CausalLM", "ModelArchitecture"]
+__all__ = ["CausalLM", "Checkpoint", "ModelArchitecture"]
+
+
+class Checkpoint(abc.ABC):
+    """A model's files as core opened them from ``[model] path``: a Hugging Face directory
+    (config.json, safetensors, tokenizer.json) or a GGUF file.
+
+    Core opens one per engine and hands the same object to the executor
+    (``ExecutorParams.checkpoint``: config and weights) and to samplers
+    (``SamplerParams.checkpoint``: the tokenizer). Reading :attr:`config` or the tokenizer
+    never reads weights. Plugins only read a checkpoint; core owns it.
+    """
+
+    path: str
+    """The directory or the (first) GGUF file."""
+    format: str
+    """``"hf"`` or ``"gguf"``."""
+    name: str
+    """A short name for logs and the default served model id."""
+
+    @property
+    @abc.abstractmethod
+    def config(self) -> Mapping[str, Any]:
+        """The model's configuration in Hugging Face ``config.json`` keys (for a GGUF file,
+        its metadata translated), including ``architectures`` and ``dtype``."""
+
+    @abc.abstractmethod
+    def weights(
+        self, dtype: torch.dtype, device: torch.device | str
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every weight under its Hugging Face name, floating ones as ``dtype`` on ``device``
+        (quantized GGUF tensors dequantized), one tensor at a time; a progress bar on a
+        terminal. Raises ``ModelLoadError`` naming the file for a corrupt or missing one."""
+
+    @abc.abstractmethod
+    def tokenizer(self) -> Any:
+        """The model's tokenizer (a transformers ``PreTrainedTokenizerFast``), built on the
+        first call and shared afterwards; None when the checkpoint has no tokenizer at all
+        (a config-only directory, which serves token-id prompts only)."""
+
+    @property
+    @abc.abstractmethod
+    def eos_token_ids(self) -> frozenset[int]:
+        """Token ids that end a generation."""
+
+    def describe(self) -> str:
+        """What the files hold beyond the config, for the start-up banner (e.g. a GGUF's
+        tensor types); empty when there is nothing to add."""
+        return ""
 
 
 class CausalLM(Protocol):
@@ -40,8 +88,9 @@ class ModelArchitecture(abc.ABC):
     """One family of models, registered under the HF ``architectures`` names it serves.
 
     Register each name under kind ``"model"``, e.g.
-    ``registry.add("model", "LlamaForCausalLM", LlamaArchitecture)``; the loader picks the
-    factory from ``config.json``'s ``architectures`` list.
+    ``registry.add("model", "LlamaForCausalLM", LlamaArchitecture)``; core picks the factory
+    from the checkpoint config's ``architectures`` list (a GGUF file's architecture is
+    translated to the same names).
     """
 
     @abc.abstractmethod

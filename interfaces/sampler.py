@@ -14,6 +14,8 @@ from brigade.interfaces.sampling import SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from brigade.interfaces.model import Checkpoint
+
 __all__ = ["LogitsProcessor", "SampleOutput", "Sampler", "SamplerParams", "SamplingBatch"]
 
 
@@ -26,10 +28,13 @@ class SamplerParams:
     vocab_size: int
     device: str
     model_dir: str | None = None
-    """The served model's directory (tokenizer files), for stages that need the vocabulary's
-    strings (grammars); None when there is none (simulated executors, unit tests)."""
+    """Where the served model's files are (a directory or a GGUF file); None when there are
+    none (unit tests). Read the tokenizer through :attr:`checkpoint`."""
     eos_token_ids: tuple[int, ...] = ()
     """Token ids that end a generation (the model's EOS ids)."""
+    checkpoint: Checkpoint | None = None
+    """The opened model, for stages that need the vocabulary's strings (grammars:
+    ``checkpoint.tokenizer()``); None when there is none (API 1.2)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

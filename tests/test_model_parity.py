@@ -116,9 +116,15 @@ def make_executor(directory: Path) -> TorchExecutor:
 
 
 def _keep_only_legacy_rope_type(directory: Path) -> None:
+    """Rewrite config.json as transformers 4.x wrote it: ``rope_theta`` beside a
+    ``rope_scaling`` dict with only the old ``type`` key (transformers 5 writes one
+    ``rope_parameters`` dict)."""
     file = directory / "config.json"
     config = json.loads(file.read_text())
-    config["rope_scaling"].pop("rope_type", None)
+    params = dict(config.pop("rope_parameters", None) or config.get("rope_scaling") or {})
+    config["rope_theta"] = params.pop("rope_theta", config.get("rope_theta", 10000.0))
+    kind = params.pop("rope_type", None) or params.pop("type", None)
+    config["rope_scaling"] = {"type": kind, **params}
     file.write_text(json.dumps(config))
 
 

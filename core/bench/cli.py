@@ -37,6 +37,7 @@ from brigade.bench.spec import (
     parse_sweep,
     parse_workload,
 )
+from brigade.errors import BrigadeError
 
 __all__ = ["SYNTHETIC_GRAMMAR", "WorkloadSpec", "parse_workload", "run_bench"]
 
@@ -71,16 +72,16 @@ class _Collected:
 
 
 def _vocab_size(config: Any) -> int:
-    """The model's vocabulary size, from its HF config.json (no weights are read)."""
-    from brigade.assemble import resolve_model_path
+    """The model's vocabulary size, from its config (no weights are read)."""
+    from brigade.assemble import open_model
 
-    path = resolve_model_path(config) / "config.json"  # "default" builds the built-in model
     try:
-        vocab = json.loads(path.read_text(encoding="utf-8")).get("vocab_size")
-    except (OSError, ValueError) as exc:
-        raise BenchError(f"{config.source}: cannot read the model's {path}: {exc}") from exc
+        checkpoint = open_model(config)
+    except BrigadeError as exc:
+        raise BenchError(f"{config.source}: {exc}") from exc
+    vocab = checkpoint.config.get("vocab_size")
     if not isinstance(vocab, int) or vocab < 1:
-        raise BenchError(f"{path}: 'vocab_size' must be a positive integer")
+        raise BenchError(f"{checkpoint.path}: 'vocab_size' must be a positive integer")
     return vocab
 
 

@@ -32,6 +32,7 @@ __all__ = [
     "GGUFFile",
     "GGUFTensor",
     "gguf_parts",
+    "is_split_part",
     "open_gguf",
 ]
 
@@ -155,6 +156,12 @@ class GGUFFile:
         if not isinstance(value, str):
             raise ModelLoadError(f"{self.path}: no general.architecture; not a model file?")
         return value
+
+
+def is_split_part(path: Path) -> int:
+    """The part number of a split model's file (``x-00002-of-00003.gguf`` -> 2), else 0."""
+    match = _SPLIT_NAME.match(path.name)
+    return int(match["part"]) if match else 0
 
 
 def gguf_parts(path: Path) -> list[Path]:

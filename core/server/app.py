@@ -17,6 +17,7 @@ from litestar.response import Stream
 
 from brigade.errors import RequestError
 from brigade.interfaces import SamplingParams
+from brigade.models.tokenizer_loading import render_chat_prompt
 from brigade.server import protocol as proto
 from brigade.server import responses as out
 from brigade.server import streaming
@@ -279,19 +280,16 @@ def _chat_prompt(
     state: ServerState, messages: Sequence[Any], generation_prompt: bool, *, tools: Any = None
 ) -> list[int]:
     try:
-        tokens = state.tokenizer.apply_chat_template(
+        return render_chat_prompt(
+            state.tokenizer,
             proto.template_messages(messages),
             tools=tools or None,
             add_generation_prompt=generation_prompt,
-            tokenize=True,
         )
     except Exception as exc:  # a template may reject a conversation (role order, ...)
         raise ProtocolError(
             f"the chat template rejected the messages: {exc}", param="messages"
         ) from None
-    if isinstance(tokens, dict):  # some tokenizers return a BatchEncoding
-        tokens = tokens["input_ids"]
-    return [int(t) for t in tokens]
 
 
 def _encode(state: ServerState, prompt: str | list[int]) -> list[int]:

@@ -11,6 +11,7 @@ import structlog
 from brigade.config import EngineConfig, load_config
 from brigade.engine import EngineCore
 from brigade.errors import BrigadeError
+from brigade.models.checkpoint import require_tokenizer
 from brigade.registry import Registry, default_registry
 from brigade.server.app import ServerState, create_app
 from brigade.server.async_engine import AsyncEngine
@@ -18,21 +19,20 @@ from brigade.server.frontend import Frontend
 from brigade.server.logs import configure_logging
 from brigade.server.metrics import ServerMetrics
 from brigade.server.ratelimit import RateLimiter
+from brigade.startup import startup_banner
 
 __all__ = ["build_state", "serve"]
 
 
 def build_state(config: EngineConfig, registry: Registry) -> ServerState:
     """Load the model and every component; start the engine thread."""
-    from transformers import AutoTokenizer
-
     settings = config["server"].settings
     engine = EngineCore(config, registry)
-    tokenizer = AutoTokenizer.from_pretrained(engine.model_dir)
+    tokenizer = require_tokenizer(engine.checkpoint)
     detokenizer = registry.get("detokenizer", config.plugin("detokenizer")).factory(
         tokenizer, config["detokenizer"].options
     )
-    model_name = settings.served_model_name or engine.model_dir.name
+    model_name = settings.served_model_name or engine.checkpoint.name
     metrics = ServerMetrics(model_name)
     metrics.set_components(config.components)
     async_engine = AsyncEngine(engine, max_waiting_requests=settings.max_waiting_requests)
@@ -70,6 +70,7 @@ def serve(config_path: str | None, overrides: list[str]) -> int:
         page_size=engine.batch.page_size,
         kv_tokens=kv.num_pages * engine.batch.page_size,
         max_model_len=engine.max_model_len,
+        load_time_s=round(engine.load_time_s, 2),
     )
     server = uvicorn.Server(
         uvicorn.Config(
@@ -81,6 +82,7 @@ def serve(config_path: str | None, overrides: list[str]) -> int:
             lifespan="off",
         )
     )
+    print(startup_banner(engine), flush=True)
     _print_example(settings.host, settings.port, state.model_name, bool(settings.api_keys))
 
     original = signal.getsignal(signal.SIGTERM)

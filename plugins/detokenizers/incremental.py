@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from brigade.interfaces import Detokenizer, Request, TextDelta
 
@@ -84,13 +84,15 @@ class IncrementalDetokenizer(Detokenizer):
         self.tokenizer = tokenizer
         self.options = options
         backend = getattr(tokenizer, "backend_tokenizer", None)
+        # transformers 5 types decode() as str | list[str]; a list of ids gives a str.
         self._decoders: dict[bool, Callable[[list[int]], str]] = {
-            skip: (
+            skip: cast(
+                "Callable[[list[int]], str]",
                 functools.partial(backend.decode, skip_special_tokens=skip)
                 if backend is not None
                 else functools.partial(
                     tokenizer.decode, skip_special_tokens=skip, clean_up_tokenization_spaces=False
-                )
+                ),
             )
             for skip in (False, True)
         }

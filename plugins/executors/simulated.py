@@ -216,7 +216,9 @@ class SimulatedExecutor(Executor):
 
     def __init__(self, params: ExecutorParams, options: SimulatedExecutorOptions) -> None:
         self.params = params
-        hf_config = read_hf_config(params.model_path)
+        hf_config = (
+            params.checkpoint.config if params.checkpoint else read_hf_config(params.model_path)
+        )
         try:
             self.shape = ModelShape.from_hf_config(hf_config)
         except ValueError as exc:

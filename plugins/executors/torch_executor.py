@@ -21,7 +21,8 @@ from brigade.interfaces import (
     option,
 )
 from brigade.model_input import model_input_to
-from brigade.models.loader import DTYPES, iter_safetensors, read_hf_config, resolve_dtype
+from brigade.models.checkpoint import open_checkpoint
+from brigade.models.loader import DTYPES, resolve_dtype
 
 __all__ = [
     "DEVICE_PATTERN",
@@ -90,7 +91,8 @@ class TorchExecutor(Executor):
             torch.set_num_threads(options.num_threads)  # process-wide, as torch allows
         self.attention = params.attention
         self.attention.check_device(str(self.device))
-        hf_config = read_hf_config(params.model_path)
+        checkpoint = params.checkpoint or open_checkpoint(params.model_path)
+        hf_config = dict(checkpoint.config)
         architecture = params.model_factory or _architecture_for(hf_config, params.model_path)
         architecture.validate_config(hf_config)
         self.dtype = resolve_dtype(params.dtype, hf_config)
@@ -101,9 +103,7 @@ class TorchExecutor(Executor):
         self.model: CausalLM = architecture.build(
             hf_config, self.attention, self.dtype, self.device
         )
-        architecture.load_weights(
-            self.model, iter_safetensors(params.model_path, self.dtype, self.device)
-        )
+        architecture.load_weights(self.model, checkpoint.weights(self.dtype, self.device))
         if isinstance(self.model, torch.nn.Module):
             self.model.eval()
         self.forward_fn: Callable[..., torch.Tensor] = self.model.forward

@@ -295,11 +295,15 @@ class GrammarBackend:
 
     def _build_compiler(self) -> Any:
         import xgrammar as xgr
-        from transformers import AutoTokenizer
 
-        if self.params.model_dir is None:
+        checkpoint = self.params.checkpoint
+        if checkpoint is None and self.params.model_dir is not None:
+            from brigade.models.checkpoint import open_checkpoint
+
+            checkpoint = open_checkpoint(self.params.model_dir)
+        tokenizer = checkpoint.tokenizer() if checkpoint is not None else None
+        if tokenizer is None:
             raise ValueError("structured output needs the model's tokenizer; this engine has none")
-        tokenizer = AutoTokenizer.from_pretrained(self.params.model_dir)
         info = xgr.TokenizerInfo.from_huggingface(
             tokenizer,
             vocab_size=self.params.vocab_size,

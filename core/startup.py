@@ -1,0 +1,84 @@
+"""What an operator sees when the engine starts: one banner with the model and the config."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+from typing import TYPE_CHECKING, Any
+
+from brigade.models.loader import resolve_dtype
+from brigade.options import option_defaults
+
+if TYPE_CHECKING:
+    from brigade.config import EngineConfig
+    from brigade.engine import EngineCore
+
+__all__ = ["brigade_version", "changed_settings", "startup_banner"]
+
+GIB = 1 << 30
+
+
+def brigade_version() -> str:
+    """The installed ``brigade-llm`` version ("unknown" when running from a bare checkout)."""
+    try:
+        return importlib.metadata.version("brigade-llm")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def changed_settings(config: EngineConfig) -> list[str]:
+    """``station.key=value`` for every setting that differs from its default, plugins first."""
+    from brigade.stations import STATIONS
+
+    changed: list[str] = []
+    for name, station in config.stations.items():
+        if station.plugin is not None and station.plugin != STATIONS[name].default_plugin:
+            changed.append(f"{name}.plugin={station.plugin}")
+        for values in (station.settings, station.options):
+            if values is None or not dataclasses.is_dataclass(values):
+                continue
+            defaults = option_defaults(type(values))
+            for key, value in dataclasses.asdict(values).items():
+                if defaults.get(key) != value:
+                    changed.append(f"{name}.{key}={_shown(key, value)}")
+    return changed
+
+
+def _shown(key: str, value: Any) -> str:
+    if key == "api_keys":  # never print secrets
+        return f"[{len(value)} key{'s' * (len(value) != 1)}]"
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+def startup_banner(engine: EngineCore) -> str:
+    """Several lines: version, model, dtypes, the KV pool, components, the config in effect."""
+    config = engine.config
+    checkpoint = engine.checkpoint
+    model = config["model"].settings
+    kv_settings = config["kv"].settings
+    dtype = _dtype_name(resolve_dtype(model.dtype, checkpoint.config))
+    cache_dtype = dtype if kv_settings.cache_dtype == "auto" else kv_settings.cache_dtype
+    kv = engine.kv.stats()
+    spec = engine.executor.kv_cache_spec()
+    pool_gib = kv.num_pages * spec.bytes_per_page / GIB
+    architecture = (checkpoint.config.get("architectures") or ["?"])[0]
+    source = ", ".join(
+        part for part in (checkpoint.format.upper(), architecture, checkpoint.describe()) if part
+    )
+    changed = changed_settings(config)
+    lines = [
+        f"Brigade {brigade_version()}: {checkpoint.name} loaded in {engine.load_time_s:.1f} s",
+        f"  model      {checkpoint.path} ({source})",
+        f"  dtype      {dtype} weights and activations, {cache_dtype} KV cache",
+        f"  KV cache   {kv.num_pages} pages x {engine.batch.page_size} tokens = "
+        f"{kv.num_pages * engine.batch.page_size} tokens ({pool_gib:.2f} GiB); "
+        f"max_model_len {engine.max_model_len}",
+        "  stations   " + " ".join(f"{k}={v}" for k, v in config.components.items()),
+        f"  config     {config.source}"
+        + (f"; changed: {', '.join(changed)}" if changed else "; all defaults"),
+    ]
+    return "\n".join(lines)
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
