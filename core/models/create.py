@@ -2,7 +2,8 @@
 
 Nothing can be downloaded in tests or benchmarks, so this module writes complete HuggingFace
 model directories (config, generation config, safetensors weights, tokenizer with a ChatML
-chat template) that ``transformers.Auto*.from_pretrained`` loads without network access.
+chat template) that ``transformers.Auto*.from_pretrained`` loads without network access. The
+tokenizer is byte-level BPE by default, or SentencePiece-style (Llama 2 layout) on request.
 
 The same arguments always produce byte-identical ``model.safetensors`` and ``tokenizer.json``.
 """
@@ -31,16 +32,7 @@ from transformers import (
     Qwen3Config,
 )
 
-from brigade.models.tokenizer import (
-    BOS_TOKEN,
-    CORPUS_PATH,
-    EOS_TOKEN,
-    IM_END_TOKEN,
-    MAX_VOCAB_SIZE,
-    PAD_TOKEN,
-    save_tokenizer,
-    special_token_id,
-)
+from brigade.models.tokenizer import CORPUS_PATH, MAX_VOCAB_SIZE, TokenizerKind, tokenizer_kind
 
 __all__ = [
     "ARCHITECTURES",
@@ -151,6 +143,7 @@ def create_model(
     dtype: str = "float32",
     tie_word_embeddings: bool = False,
     overrides: Mapping[str, Any] | None = None,
+    tokenizer: str = "bpe",
 ) -> pathlib.Path:
     """Write a randomly initialised HF-format causal LM into ``out_dir`` and return its path.
 
@@ -164,11 +157,15 @@ def create_model(
             tensor is written).
         overrides: config fields to change, e.g. ``{"num_hidden_layers": 2}`` or
             ``{"sliding_window": 16}``; keys must be known to the architecture's config.
+        tokenizer: ``"bpe"`` (byte-level BPE, ChatML special tokens, no BOS added) or
+            ``"spm"`` (SentencePiece-style, Llama 2 layout: ``<unk>``/``<s>``/``</s>``, byte
+            fallback, BOS added); the config's token ids follow it.
 
     Raises:
-        ValueError: unknown ``arch``/``size``/``dtype`` or an invalid override.
+        ValueError: unknown ``arch``/``size``/``dtype``/``tokenizer`` or an invalid override.
     """
-    config = _build_config(arch, size, dtype, tie_word_embeddings, overrides or {})
+    kind = tokenizer_kind(tokenizer)
+    config = _build_config(arch, size, dtype, tie_word_embeddings, overrides or {}, kind)
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -182,13 +179,13 @@ def create_model(
     (out / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
 
     generation_config = GenerationConfig(
-        bos_token_id=special_token_id(BOS_TOKEN),
-        # A chat turn ends with <|im_end|>, plain text with <|endoftext|>: stop on both.
-        eos_token_id=[special_token_id(EOS_TOKEN), special_token_id(IM_END_TOKEN)],
-        pad_token_id=special_token_id(PAD_TOKEN),
+        bos_token_id=kind.token_id(kind.bos_token),
+        # A chat turn ends with <|im_end|>, plain text with EOS: stop on both.
+        eos_token_id=[kind.token_id(token) for token in kind.stop_tokens],
+        pad_token_id=kind.token_id(kind.pad_token),
     )
     generation_config.save_pretrained(str(out))
-    save_tokenizer(out, model_max_length=config.max_position_embeddings)
+    kind.save(out, config.max_position_embeddings)
     return out
 
 
@@ -198,6 +195,7 @@ def _build_config(
     dtype: str,
     tie_word_embeddings: bool,
     overrides: Mapping[str, Any],
+    kind: TokenizerKind,
 ) -> PretrainedConfig:
     """Assemble and validate the transformers config for ``arch``/``size``."""
     if arch not in _ARCH_SPECS:
@@ -228,9 +226,9 @@ def _build_config(
         **_SIZE_PRESETS[size],
         "max_position_embeddings": 4096,
         "hidden_act": "silu",
-        "bos_token_id": special_token_id(BOS_TOKEN),
-        "eos_token_id": special_token_id(EOS_TOKEN),
-        "pad_token_id": special_token_id(PAD_TOKEN),
+        "bos_token_id": kind.token_id(kind.bos_token),
+        "eos_token_id": kind.token_id(kind.eos_token),
+        "pad_token_id": kind.token_id(kind.pad_token),
         **arch_values,
         **overrides,
         "tie_word_embeddings": tie_word_embeddings,
