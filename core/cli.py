@@ -12,8 +12,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from brigade import serve_args
 from brigade.errors import BrigadeError
 from brigade.interfaces import SamplingParams
+from brigade.version import DISTRIBUTION, installed_version
 
 __all__ = ["main"]
 
@@ -37,6 +39,13 @@ def _build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="brigade", description="An LLM serving engine whose every part is a plugin."
+    )
+    parser.add_argument(
+        "-V",
+        "--version",
+        action="version",
+        version=_version(),
+        help="print Brigade's version and its plugin API version",
     )
     commands = parser.add_subparsers(title="commands")
 
@@ -66,30 +75,64 @@ def _build_parser() -> argparse.ArgumentParser:
     create.add_argument("--arch", default="llama", help="llama, qwen2, qwen3 or mistral")
     create.add_argument("--size", default="tiny", help="tiny or small")
     create.add_argument("--out", required=True, help="directory to write")
-    create.add_argument("--seed", type=int, default=0)
+    create.add_argument(
+        "--seed", type=int, default=0, help="seed of the random weights (same seed, same model)"
+    )
     create.add_argument("--dtype", default="float32", help="float32 or bfloat16 weights")
-    create.add_argument("--tie-word-embeddings", action="store_true")
+    create.add_argument(
+        "--tie-word-embeddings",
+        action="store_true",
+        help="share the input embedding matrix with the output head",
+    )
     create.set_defaults(handler=_cmd_model_create)
 
-    serve = commands.add_parser("serve", help="run the OpenAI-compatible HTTP server")
-    serve.add_argument("--config", help="TOML config (omit for the defaults)")
-    serve.add_argument("--host", help="overrides [server] host")
-    serve.add_argument("--port", type=int, help="overrides [server] port")
-    _add_override_flag(serve)
+    serve = commands.add_parser(
+        "serve",
+        help="run the OpenAI-compatible HTTP server",
+        usage=serve_args.USAGE,
+        description="Serve MODEL over OpenAI's HTTP API; vLLM's serve flags work as in vLLM.",
+        epilog=serve_args.EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_override_flag(serve_args.add_serve_arguments(serve))
     serve.set_defaults(handler=_cmd_serve)
 
     generate = commands.add_parser("generate", help="generate offline (greedy by default)")
     generate.add_argument("--config", help="TOML config (omit for the defaults)")
     _add_override_flag(generate)
     generate.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
-    generate.add_argument("--prompts-file", help="a file with one prompt per line")
-    generate.add_argument("--max-tokens", type=int, default=32)
-    generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    generate.add_argument("--top-p", type=float, default=1.0)
-    generate.add_argument("--top-k", type=int, default=0)
-    generate.add_argument("--seed", type=int, default=None)
-    generate.add_argument("--ignore-eos", action="store_true")
-    generate.add_argument("--stop", action="append", default=[], help="a stop string")
+    generate.add_argument(
+        "--chat",
+        action="store_true",
+        help="send each prompt as a user message through the model's chat template",
+    )
+    generate.add_argument(
+        "--prompts-file", help="a file with one prompt per line (blank lines are skipped)"
+    )
+    generate.add_argument(
+        "--max-tokens", type=int, default=32, help="tokens to generate per prompt (default 32)"
+    )
+    generate.add_argument(
+        "--temperature", type=float, default=0.0, help="0 = greedy (the default); > 0 samples"
+    )
+    generate.add_argument(
+        "--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]; 1 = off"
+    )
+    generate.add_argument(
+        "--top-k", type=int, default=0, help="sample among the K likeliest tokens; 0 = off"
+    )
+    generate.add_argument(
+        "--seed", type=int, default=None, help="seed of this run's sampling (default: unseeded)"
+    )
+    generate.add_argument(
+        "--ignore-eos", action="store_true", help="keep generating past the end-of-text token"
+    )
+    generate.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        help="a stop string, left out of the text (repeatable)",
+    )
     generate.set_defaults(handler=_cmd_generate)
 
     bench = commands.add_parser(
@@ -152,7 +195,13 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_override_flag(parser: argparse.ArgumentParser) -> None:
+def _version() -> str:
+    from brigade.interfaces import API_VERSION
+
+    return f"brigade {installed_version()} ({DISTRIBUTION}), plugin API {API_VERSION}"
+
+
+def _add_override_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     parser.add_argument(
         "--set",
         action="append",
@@ -256,13 +305,11 @@ def _cmd_model_create(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    overrides, notes = serve_args.serve_overrides(args)  # refused flags fail before imports
+    for note in notes:
+        print(f"brigade: note: {note}", file=sys.stderr)
     from brigade.server.serve import serve
 
-    overrides = list(args.set)
-    if args.host is not None:
-        overrides.append(f"server.host={json.dumps(args.host)}")
-    if args.port is not None:
-        overrides.append(f"server.port={args.port}")
     return serve(args.config, overrides)
 
 
@@ -290,10 +337,17 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise BrigadeError(str(exc)) from exc
+    from brigade.startup import startup_banner
+
     started = time.perf_counter()
     llm = LLM(args.config, overrides=args.set)
     loaded = time.perf_counter()
-    outputs = llm.generate(prompts, params)
+    print(startup_banner(llm.engine), file=sys.stderr)
+    if args.chat:
+        conversations = [[{"role": "user", "content": prompt}] for prompt in prompts]
+        outputs = llm.chat(conversations, params)
+    else:
+        outputs = llm.generate(prompts, params)
     done = time.perf_counter()
     for prompt, result in zip(prompts, outputs, strict=True):
         print(f"{prompt!r} -> {result.outputs[0].text!r}")
@@ -301,7 +355,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     engine = llm.engine
     kv = engine.kv.stats()
     print(
-        f"[{engine.model_dir.name}: loaded in {loaded - started:.1f}s; {generated} tokens in "
+        f"[{engine.checkpoint.name}: loaded in {loaded - started:.1f}s; {generated} tokens in "
         f"{done - loaded:.2f}s over {engine.num_steps} steps; KV pool {kv.num_pages} pages x "
         f"{engine.batch.page_size}; prefix cache hits {kv.prefix_cache_hits}/"
         f"{kv.prefix_cache_queries} tokens]",

@@ -5,14 +5,15 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
 
 from brigade.config import EngineConfig, load_config
 from brigade.engine import EngineCore, TokenLogprob
 from brigade.errors import RequestError
 from brigade.interfaces import Detokenizer, Request, SamplingParams
 from brigade.models.checkpoint import require_tokenizer
+from brigade.models.tokenizer_loading import render_chat_prompt
 from brigade.registry import Registry, default_registry
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput"]
@@ -137,6 +138,31 @@ class LLM:
             results.append(result)
         self._run(tracked, use_tqdm)
         return results
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        """Answer one conversation (a list of ``{"role", "content"}`` messages) or several,
+        through the model's chat template; outputs in conversation order."""
+        nested = not messages or not isinstance(messages[0], Mapping)
+        groups = cast("Sequence[Sequence[Mapping[str, Any]]]", messages if nested else [messages])
+        conversations = [[dict(m) for m in group] for group in groups]
+        prompts: list[Prompt] = []
+        for index, conversation in enumerate(conversations):
+            try:
+                prompts.append(
+                    render_chat_prompt(
+                        self.tokenizer, conversation, add_generation_prompt=add_generation_prompt
+                    )
+                )
+            except Exception as exc:  # a template may reject a conversation (role order, ...)
+                raise RequestError(f"conversation {index}: the chat template: {exc}") from None
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _check_grammars(self, params_list: Sequence[SamplingParams]) -> None:
         """Compile every structured-output grammar (in parallel); raise on the first bad one."""

@@ -3,27 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 from typing import TYPE_CHECKING, Any
 
 from brigade.models.loader import resolve_dtype
 from brigade.options import option_defaults
+from brigade.version import installed_version
 
 if TYPE_CHECKING:
     from brigade.config import EngineConfig
     from brigade.engine import EngineCore
 
-__all__ = ["brigade_version", "changed_settings", "startup_banner"]
+__all__ = ["changed_settings", "startup_banner"]
 
 GIB = 1 << 30
-
-
-def brigade_version() -> str:
-    """The installed ``brigade-llm`` version ("unknown" when running from a bare checkout)."""
-    try:
-        return importlib.metadata.version("brigade-llm")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
 
 
 def changed_settings(config: EngineConfig) -> list[str]:
@@ -35,7 +27,7 @@ def changed_settings(config: EngineConfig) -> list[str]:
         if station.plugin is not None and station.plugin != STATIONS[name].default_plugin:
             changed.append(f"{name}.plugin={station.plugin}")
         for values in (station.settings, station.options):
-            if values is None or not dataclasses.is_dataclass(values):
+            if values is None or not dataclasses.is_dataclass(values) or isinstance(values, type):
                 continue
             defaults = option_defaults(type(values))
             for key, value in dataclasses.asdict(values).items():
@@ -67,7 +59,7 @@ def startup_banner(engine: EngineCore) -> str:
     )
     changed = changed_settings(config)
     lines = [
-        f"Brigade {brigade_version()}: {checkpoint.name} loaded in {engine.load_time_s:.1f} s",
+        f"Brigade {installed_version()}: {checkpoint.name} loaded in {engine.load_time_s:.1f} s",
         f"  model      {checkpoint.path} ({source})",
         f"  dtype      {dtype} weights and activations, {cache_dtype} KV cache",
         f"  KV cache   {kv.num_pages} pages x {engine.batch.page_size} tokens = "

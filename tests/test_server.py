@@ -9,6 +9,7 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -241,6 +242,66 @@ def test_api_keys_and_open_paths(server: str) -> None:
     assert httpx.get(f"{server}/v1/models").status_code == 401
     assert httpx.get(f"{server}/health").status_code == 200
     assert httpx.get(f"{server}/metrics").status_code == 200
+
+
+def test_version_and_ping_answer_without_an_api_key(server: str) -> None:
+    import importlib.metadata
+
+    version = httpx.get(f"{server}/version")
+    assert version.status_code == 200
+    assert version.json() == {"version": importlib.metadata.version("brigade-llm")}
+    assert httpx.get(f"{server}/ping").status_code == 200
+    assert httpx.post(f"{server}/ping").status_code == 200
+
+
+def test_retrieve_a_served_model_or_404(server: str, client: openai.OpenAI) -> None:
+    listed = client.models.list().data[0]
+    assert client.models.retrieve("tiny") == listed
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("gpt-9")
+    assert missing.value.code == "model_not_found"
+    assert "'gpt-9'" in missing.value.message
+    assert httpx.get(f"{server}/v1/models/tiny").status_code == 401
+
+
+def bare_app(model_name: str, *, shutting_down: bool = False) -> Any:
+    """The app over a state with no engine: enough for the routes that read no engine."""
+    from litestar.testing import TestClient
+
+    from brigade.server.app import ServerState, create_app
+    from brigade.server.ratelimit import RateLimiter
+    from brigade.stations import ServerSettings
+
+    state = ServerState(
+        async_engine=None,  # type: ignore[arg-type]
+        frontend=None,  # type: ignore[arg-type]
+        tokenizer=None,
+        settings=ServerSettings(),
+        model_name=model_name,
+        metrics=None,  # type: ignore[arg-type]
+        limiter=RateLimiter(0, 0),
+        shutting_down=shutting_down,
+    )
+    return TestClient(create_app(state))
+
+
+def test_ping_is_503_while_shutting_down() -> None:
+    with bare_app("tiny", shutting_down=True) as app:
+        assert app.get("/ping").status_code == 503
+        assert app.post("/ping").status_code == 503
+    with bare_app("tiny") as app:
+        assert app.get("/ping").status_code == 200
+
+
+def test_retrieve_a_model_whose_name_has_a_slash() -> None:
+    name = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    with bare_app(name) as app:
+        listed = app.get("/v1/models").json()["data"][0]
+        assert app.get(f"/v1/models/{name}").json() == listed
+        assert app.get("/v1/models/HuggingFaceTB%2FSmolLM2-135M-Instruct").json() == listed
+        missing = app.get("/v1/models/HuggingFaceTB")
+        assert missing.status_code == 404
+        assert missing.json()["error"]["code"] == "model_not_found"
 
 
 def test_body_over_the_limit_is_413(server: str) -> None:

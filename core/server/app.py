@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 import msgspec
 import structlog
-from litestar import Litestar, Request, Response, get, post
+from litestar import Litestar, Request, Response, get, post, route
 from litestar.exceptions import HTTPException
 from litestar.response import Stream
 
@@ -36,10 +36,11 @@ from brigade.server.frontend import ChoiceDelta, Frontend
 from brigade.server.metrics import ServerMetrics
 from brigade.server.ratelimit import RateLimiter
 from brigade.stations import ServerSettings
+from brigade.version import installed_version
 
 __all__ = ["ServerState", "create_app"]
 
-OPEN_PATHS = ("/health", "/metrics")
+OPEN_PATHS = ("/health", "/metrics", "/ping", "/version")
 """Reachable without an API key (probes and scrapers)."""
 JSON = "application/json"
 
@@ -123,9 +124,33 @@ def _handlers(state: ServerState) -> list[Any]:
         body, content_type = state.metrics.render()
         return Response(body, media_type=content_type)
 
+    @route("/ping", http_method=["GET", "POST"], sync_to_thread=False)
+    def ping() -> Response[bytes]:
+        """vLLM's and SageMaker's liveness probe: 200 while serving, 503 while shutting down."""
+        return Response(
+            b"", status_code=503 if state.shutting_down else 200, media_type="text/plain"
+        )
+
+    @get("/version", sync_to_thread=False)
+    def version() -> Response[dict[str, str]]:
+        """The ``brigade-llm`` distribution's version, in vLLM's shape."""
+        return _json({"version": installed_version()})
+
     @get("/v1/models", sync_to_thread=False)
     def models() -> Response[out.ModelList]:
-        return _json(out.model_list([state.model_name], created=state.created))
+        return _json(_served_models(state))
+
+    @get("/v1/models/{model_id:path}", sync_to_thread=False)
+    def model(request: Request[Any, Any, Any]) -> Response[out.ModelCard]:
+        """One served model's card, as ``/v1/models`` lists it; 404 for any other id."""
+        # The id may hold slashes ("org/name"); a path parameter keeps them.
+        wanted = str(request.path_params["model_id"]).removeprefix("/")
+        for card in _served_models(state).data:
+            if card.id == wanted:
+                return _json(card)
+        raise NotFoundError(
+            f"The model {wanted!r} does not exist; this server serves {state.model_name!r}."
+        )
 
     @post("/tokenize")
     async def tokenize(request: Request[Any, Any, Any]) -> Response[out.TokenizeResponse]:
@@ -251,7 +276,11 @@ def _handlers(state: ServerState) -> list[Any]:
             )
         )
 
-    return [health, metrics, models, tokenize, detokenize, chat, completions]
+    return [health, ping, version, metrics, models, model, tokenize, detokenize, chat, completions]
+
+
+def _served_models(state: ServerState) -> out.ModelList:
+    return out.model_list([state.model_name], created=state.created)
 
 
 def _json(payload: Any, status: int = 200) -> Response[Any]:

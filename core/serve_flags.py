@@ -1,0 +1,542 @@
+"""vLLM's ``serve`` flags and what ``brigade serve`` does with each: the one table from which
+the parser's arguments (:mod:`brigade.serve_args`) and the tables of docs/vllm.md are made.
+
+A flag is one of three things:
+
+- an **alias** of a config key: its value, mapped from vLLM's spelling where it differs
+  (``--dtype half`` is ``float16``, ``--max-model-len 32K`` is 32768), becomes the ``--set``
+  override of that key;
+- **accepted**: vLLM's meaning is already what Brigade does; a one-line note says so;
+- **refused**: Brigade has no such feature; a one-line error names the flag and, where there
+  is one, the Brigade equivalent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Callable, Sequence
+from decimal import Decimal
+from typing import Any, Literal
+
+__all__ = ["FLAGS", "ServeFlag"]
+
+Arity = Literal["value", "repeat", "names", "bool", "switch"]
+"""How a flag takes values: one; one per use, repeatable; one or more after one flag;
+``--x``/``--no-x``; none."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ServeFlag:
+    """One vLLM ``serve`` flag and what Brigade does with it."""
+
+    names: tuple[str, ...]
+    """Option strings as vLLM spells them, the long one first (``--tensor-parallel-size``,
+    ``-tp``); a ``bool`` alias also takes ``--no-<name>``."""
+    help: str
+    """An alias: what it sets and how vLLM's values map. Accepted: the note printed when it
+    is given. Refused: why, and the Brigade equivalent (the error message)."""
+    status: Literal["alias", "accepted", "refused"]
+    key: str | None = None
+    """``station.key`` that an alias sets; None for accepted and refused flags."""
+    arity: Arity = "switch"
+    parse: Callable[[Any], Any] | None = None
+    """vLLM's value (a string; a list of them for ``repeat`` and ``names``) -> the key's value,
+    or a check of an accepted flag's value; raises ``ValueError`` saying what is allowed.
+    None: the value as given."""
+    metavar: str | None = None
+
+    @property
+    def dest(self) -> str:
+        """The argparse attribute an alias's value lands in."""
+        return "vllm_" + self.names[0].lstrip("-").replace("-", "_")
+
+
+def _alias(
+    names: str | tuple[str, ...],
+    key: str,
+    help: str,  # noqa: A002 - argparse's word
+    *,
+    arity: Arity = "value",
+    parse: Callable[[Any], Any] | None = None,
+    metavar: str | None = None,
+) -> ServeFlag:
+    names = (names,) if isinstance(names, str) else names
+    return ServeFlag(names, help, "alias", key, arity, parse, metavar)
+
+
+def _accepted(
+    names: str | tuple[str, ...],
+    note: str,
+    *,
+    check: Callable[[str], Any] | None = None,
+    metavar: str | None = None,
+) -> ServeFlag:
+    """An accepted flag: a switch, or one value that ``check`` vets."""
+    names = (names,) if isinstance(names, str) else names
+    arity: Arity = "switch" if check is None else "value"
+    return ServeFlag(names, note, "accepted", None, arity, check, metavar)
+
+
+def _refused(names: str | tuple[str, ...], reason: str) -> ServeFlag:
+    return ServeFlag((names,) if isinstance(names, str) else names, reason, "refused")
+
+
+# --- vLLM values -> Brigade values --------------------------------------------------------
+
+_DECIMAL_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY_SUFFIXES = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def _token_count(text: str) -> int:
+    """vLLM's human-readable integers: 4096; 4k = 4000 and 25.6k = 25600 (k m g t are powers
+    of 1000); 32K = 32768 (K M G T are powers of 1024, whole numbers only)."""
+    if text.strip().lower() in ("auto", "-1"):
+        raise ValueError(
+            "Brigade does not fit the length to memory (vLLM's auto and -1); leave the flag "
+            "out for the model's own limit, or give a length"
+        )
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)", text.strip())
+    if match is None or ("." in match[1] and match[2] not in _DECIMAL_SUFFIXES):
+        raise ValueError(
+            "expected a token count such as 4096, 4k (4000), 25.6k or 32K (32768); decimals "
+            "only with k, m, g or t"
+        )
+    number, suffix = Decimal(match[1]), match[2]
+    count = int(number * _DECIMAL_SUFFIXES.get(suffix, _BINARY_SUFFIXES.get(suffix, 1)))
+    if count < 1:
+        raise ValueError("expected at least 1 token")
+    return count
+
+
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError("expected an integer") from None
+
+
+def _gib(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value < math.inf:
+        raise ValueError("expected a number of GiB >= 0")
+    return value
+
+
+def _choice(mapping: dict[str, str], *, refused: str = "") -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text in mapping:
+            return mapping[text]
+        allowed = f"allowed: {', '.join(mapping)}"
+        raise ValueError(f"{refused}; {allowed}" if refused and text.startswith("fp8") else allowed)
+
+    return parse
+
+
+_dtype = _choice(
+    {
+        "auto": "auto",
+        "half": "float16",
+        "float16": "float16",
+        "bfloat16": "bfloat16",
+        "float": "float32",
+        "float32": "float32",
+    }
+)
+_kv_cache_dtype = _choice(
+    {
+        "auto": "auto",
+        "bfloat16": "bfloat16",
+        "float16": "float16",
+        "half": "float16",
+        "float32": "float32",
+    },
+    refused="there is no fp8 KV cache yet",
+)
+_scheduling_policy = _choice({"fcfs": "fcfs", "priority": "priority"})
+
+
+def _device(text: str) -> str:
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", text):
+        raise ValueError("allowed: auto, cpu, cuda, cuda:N")
+    return text
+
+
+def _one_name(names: Sequence[str]) -> str:
+    if len(names) > 1:
+        raise ValueError(
+            f"Brigade serves one model name and has no aliases yet, so a client naming "
+            f"{names[1]!r} would get 404; give one name (put MODEL before the flags if "
+            f"{names[-1]!r} was meant as the model)"
+        )
+    return names[0]
+
+
+def _hermes(text: str) -> str:
+    if text != "hermes":
+        raise ValueError(
+            "Brigade reads tool calls in the hermes format (`<tool_call>JSON</tool_call>`) only; "
+            "allowed: hermes"
+        )
+    return text
+
+
+# --- the table ----------------------------------------------------------------------------
+
+_NOT_YET = "not implemented yet"
+
+FLAGS: tuple[ServeFlag, ...] = (
+    # Aliases of config keys.
+    _alias("--model", "model.path", "the same as MODEL (vLLM's older spelling)", metavar="MODEL"),
+    _alias(
+        "--served-model-name",
+        "server.served_model_name",
+        "the model id clients send and responses carry (default: the model's name); more "
+        "than one name is an error, not a server that answers 404 to the others: vLLM answers "
+        "to every name given, Brigade has no aliases yet",
+        arity="names",
+        parse=_one_name,
+        metavar="NAME",
+    ),
+    _alias(
+        "--host",
+        "server.host",
+        "address to listen on (default 127.0.0.1; vLLM's default is every interface: give "
+        "0.0.0.0 for that)",
+        metavar="HOST",
+    ),
+    _alias(
+        "--port", "server.port", "TCP port (default 8000, as vLLM)", parse=_integer, metavar="PORT"
+    ),
+    _alias(
+        "--api-key",
+        "server.api_keys",
+        "an accepted bearer token (repeat the flag for several); without the flag, "
+        "VLLM_API_KEY is the key, as in vLLM",
+        arity="repeat",
+        metavar="KEY",
+    ),
+    _alias(
+        "--max-model-len",
+        "model.max_model_len",
+        "longest prompt + output, read as vLLM does: 4096, 4k = 4000, 25.6k = 25600, "
+        "32K = 32768, 1m = 1000000; vLLM's auto and -1 are refused (leave the flag out for "
+        "the model's own limit)",
+        parse=_token_count,
+        metavar="LEN",
+    ),
+    _alias(
+        "--dtype",
+        "model.dtype",
+        "weights and activations: auto (the checkpoint's dtype; vLLM's auto would run a "
+        "float32 checkpoint in float16), half or float16, bfloat16, float or float32",
+        parse=_dtype,
+        metavar="DTYPE",
+    ),
+    _alias(
+        "--kv-cache-dtype",
+        "kv.cache_dtype",
+        "auto (the model's dtype), bfloat16, float16 or half, float32; fp8 variants are "
+        "refused (no fp8 KV cache yet)",
+        parse=_kv_cache_dtype,
+        metavar="DTYPE",
+    ),
+    _alias(
+        "--seed",
+        "model.seed",
+        "seed of the shared generator for requests that set no seed",
+        parse=_integer,
+    ),
+    _alias(
+        "--chat-template",
+        "model.chat_template",
+        "a Jinja template file, or the template itself; replaces the model's own",
+        metavar="TEMPLATE",
+    ),
+    _alias(
+        "--block-size",
+        "kv.page_size",
+        "tokens per KV page (vLLM's block); `brigade config check` says which sizes the "
+        "attention backend reads",
+        parse=_integer,
+        metavar="N",
+    ),
+    _alias(
+        "--num-gpu-blocks-override",
+        "kv.num_pages",
+        "KV pool size in pages, instead of sizing the pool from memory",
+        parse=_integer,
+        metavar="N",
+    ),
+    _alias(
+        "--enable-prefix-caching",
+        "kv.enable_prefix_caching",
+        "reuse the KV of shared prompt prefixes (on by default, as in vLLM)",
+        arity="bool",
+    ),
+    _alias(
+        "--swap-space",
+        "kv.swap_space_gib",
+        "GiB of host memory for swapped-out KV pages, used only with [scheduler] "
+        'preemption = "swap" (vLLM: per GPU)',
+        parse=_gib,
+        metavar="GIB",
+    ),
+    _alias("--max-num-seqs", "scheduler.max_num_seqs", "most requests in one step", parse=_integer),
+    _alias(
+        "--max-num-batched-tokens",
+        "scheduler.max_num_batched_tokens",
+        "token budget of one step, shared by prefill chunks and decodes (2k, 8K as for "
+        "--max-model-len)",
+        parse=_token_count,
+        metavar="N",
+    ),
+    _alias(
+        "--enable-chunked-prefill",
+        "scheduler.enable_chunked_prefill",
+        "split long prompts across steps so decodes keep running (on by default)",
+        arity="bool",
+    ),
+    _alias(
+        "--scheduling-policy",
+        "scheduler.plugin",
+        "fcfs or priority, the scheduler plugin of that name (priority: a lower request "
+        "priority runs first, as in vLLM)",
+        parse=_scheduling_policy,
+        metavar="POLICY",
+    ),
+    _alias(
+        "--device",
+        "executor.device",
+        "auto, cpu, cuda or cuda:N (an option of the torch and cuda-graph executors)",
+        parse=_device,
+        metavar="DEVICE",
+    ),
+    # vLLM's meaning is already Brigade's behaviour.
+    _accepted(
+        "--trust-remote-code",
+        "Brigade never runs model code from a checkpoint: it has its own code for every "
+        "architecture it supports",
+    ),
+    _accepted(
+        "--enable-auto-tool-choice",
+        'tool calling is always on: a request with tools gets tool_choice "auto" unless it '
+        "asks otherwise",
+    ),
+    _accepted(
+        "--tool-call-parser",
+        "tool calls are read in the hermes format (`<tool_call>JSON</tool_call>`), the only "
+        "one; any other parser is an error",
+        check=_hermes,
+        metavar="PARSER",
+    ),
+    _accepted(
+        ("--disable-log-requests", "--no-enable-log-requests"),
+        "prompts are never logged; each request logs one request_finished event (token "
+        "counts and timings)",
+    ),
+    _accepted(
+        "--enforce-eager",
+        "the default executor (torch) is eager; CUDA graphs are opt-in "
+        '([executor] plugin = "cuda-graph")',
+    ),
+    _accepted("--disable-log-stats", "no periodic stats are logged; scrape GET /metrics"),
+    _accepted(
+        "--disable-uvicorn-access-log",
+        "uvicorn runs at log level warning, so it writes no access log",
+    ),
+    _accepted(
+        "--disable-frontend-multiprocessing",
+        "the HTTP server and the engine share one process (the engine steps on a thread)",
+    ),
+    _accepted("--disable-custom-all-reduce", "Brigade runs on one device: there is no all-reduce"),
+    _accepted(
+        "--max-log-len",
+        "prompts are never logged, so there is nothing to shorten",
+        check=str,
+        metavar="N",
+    ),
+    # vLLM features Brigade does not have.
+    _refused(
+        ("--tensor-parallel-size", "-tp"),
+        "tensor parallelism is not implemented yet: one engine runs on one device ([executor] "
+        "device)",
+    ),
+    _refused(("--pipeline-parallel-size", "-pp"), "pipeline parallelism is not implemented yet"),
+    _refused(
+        ("--data-parallel-size", "-dp"),
+        "data parallelism is not implemented yet: run one brigade serve per device behind a "
+        "load balancer",
+    ),
+    _refused(("--enable-expert-parallel", "-ep"), "expert parallelism is not implemented yet"),
+    _refused(
+        "--distributed-executor-backend",
+        "there is no distributed executor: one process, one device; [executor] plugin picks "
+        "the executor",
+    ),
+    _refused("--headless", "there is no multi-node mode"),
+    _refused(("--api-server-count", "-asc"), "Brigade runs one API server in one process"),
+    _refused(
+        ("--quantization", "-q"),
+        "quantized inference is not implemented yet; a quantized GGUF file is dequantized on "
+        "load to [model] dtype",
+    ),
+    _refused(
+        "--gpu-memory-utilization",
+        "use [kv] memory_fraction = F: the share of memory free after loading the weights that "
+        "the KV pool takes (at most [kv] max_memory_gib)",
+    ),
+    _refused(
+        "--kv-cache-memory-bytes",
+        "use [kv] max_memory_gib = G (the pool's upper bound) or --num-gpu-blocks-override N",
+    ),
+    _refused("--cpu-offload-gb", "offloading weights to host memory is not implemented yet"),
+    _refused(
+        ("--kv-offloading-size", "--kv-offloading-backend"),
+        "KV offloading is not implemented yet; preempted requests can swap their pages to host "
+        'memory ([scheduler] preemption = "swap", --swap-space)',
+    ),
+    _refused("--calculate-kv-scales", "there is no fp8 KV cache yet"),
+    _refused(
+        ("--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank"),
+        "LoRA adapters are not implemented yet",
+    ),
+    _refused("--speculative-config", "speculative decoding is not implemented yet"),
+    _refused("--tokenizer", "the tokenizer is read from MODEL (its directory, or the GGUF file)"),
+    _refused(
+        "--tokenizer-mode", "the tokenizer is MODEL's own; choosing a mode is not implemented"
+    ),
+    _refused(
+        (
+            "--revision",
+            "--tokenizer-revision",
+            "--code-revision",
+            "--download-dir",
+            "--hf-token",
+        ),
+        "nothing is downloaded: a hub name in MODEL is looked up in the local Hugging Face "
+        "cache (HF_HUB_CACHE, else HF_HOME/hub), where its refs/main snapshot is used; give a "
+        "snapshot directory as MODEL for another revision",
+    ),
+    _refused(
+        "--load-format",
+        "the format follows MODEL: safetensors in a Hugging Face directory, or a GGUF file",
+    ),
+    _refused(("--hf-config-path", "--config-format"), "config.json is read from MODEL"),
+    _refused(
+        "--model-impl",
+        "Brigade always runs its own model code (`brigade plugins` lists the architectures)",
+    ),
+    _refused("--skip-tokenizer-init", "text in and out needs the tokenizer; it is always loaded"),
+    _refused("--hf-overrides", "overriding the model's config.json is not implemented yet"),
+    _refused(
+        ("--rope-scaling", "--rope-theta"),
+        "RoPE comes from the model's config.json; overriding it is not implemented yet",
+    ),
+    _refused(
+        "--disable-sliding-window",
+        "sliding-window attention runs as the model's config.json says; turning it off is not "
+        "implemented",
+    ),
+    _refused(
+        ("--compilation-config", "-O", "--cuda-graph-sizes", "--max-seq-len-to-capture"),
+        'CUDA graphs come from [executor] plugin = "cuda-graph", whose capture_sizes and '
+        "mixed_capture_tokens set what is captured (docs/config.md)",
+    ),
+    _refused(
+        ("--limit-mm-per-prompt", "--mm-processor-kwargs"),
+        "multimodal input is not implemented yet: text only",
+    ),
+    _refused(
+        ("--task", "--runner", "--convert"),
+        "only text generation is served (no embedding, pooling, scoring or transcription)",
+    ),
+    _refused(
+        ("--generation-config", "--override-generation-config"),
+        "sampling defaults are OpenAI's; generation_config.json gives only the EOS tokens",
+    ),
+    _refused(
+        "--max-logprobs",
+        "fixed: at most 20 top_logprobs (chat) and 5 logprobs (completions) per request",
+    ),
+    _refused("--logprobs-mode", _NOT_YET),
+    _refused("--enable-prompt-embeds", _NOT_YET),
+    _refused("--reasoning-parser", "reasoning output (reasoning_content) is not implemented yet"),
+    _refused(
+        ("--structured-outputs-config", "--guided-decoding-backend"),
+        'structured output always uses XGrammar: [sampler] plugin = "xgrammar" (the default)',
+    ),
+    _refused(
+        "--logits-processors",
+        "custom logits processors are sampler plugins (docs/plugins.md): [sampler] plugin",
+    ),
+    _refused(
+        ("--long-prefill-token-threshold", "--max-num-partial-prefills"),
+        "not implemented; --max-num-batched-tokens bounds the prefill of one step",
+    ),
+    _refused(
+        "--async-scheduling",
+        "not implemented yet: each step is scheduled after the previous one has run",
+    ),
+    _refused(
+        "--scheduler-cls",
+        'pick a scheduler by name: [scheduler] plugin = "fcfs", "priority" or a third-party '
+        "plugin (`brigade plugins`)",
+    ),
+    _refused(
+        "--prefix-caching-hash-algo",
+        'the prefix cache is chosen by [kv] plugin ("paged": hash chain, "radix": token tree)',
+    ),
+    _refused(
+        ("--kv-transfer-config", "--kv-events-config"),
+        "KV transfer and KV events are not implemented yet",
+    ),
+    _refused("--enable-sleep-mode", _NOT_YET),
+    _refused(
+        "--enable-log-requests",
+        "prompts are never logged; each request logs one request_finished event (token "
+        "counts and timings)",
+    ),
+    _refused(
+        "--uvicorn-log-level",
+        "uvicorn's level is fixed at warning; Brigade's own events are structured logs",
+    ),
+    _refused(
+        ("--otlp-traces-endpoint", "--collect-detailed-traces"),
+        "tracing is not implemented yet; metrics are at GET /metrics",
+    ),
+    _refused(
+        ("--ssl-keyfile", "--ssl-certfile", "--ssl-ca-certs"),
+        "TLS is not implemented: put a TLS-terminating proxy in front of brigade serve",
+    ),
+    _refused("--root-path", "not implemented: strip the path prefix in your proxy"),
+    _refused("--uds", "a Unix socket is not implemented: use --host and --port"),
+    _refused(
+        ("--allowed-origins", "--allowed-methods", "--allowed-headers", "--allow-credentials"),
+        "CORS is not implemented yet: no CORS headers are sent; add them in a proxy",
+    ),
+    _refused("--middleware", "extend Brigade with plugins (docs/plugins.md)"),
+    _refused("--disable-fastapi-docs", "the OpenAPI schema is always served at /schema"),
+    _refused("--response-role", "the role of a chat answer is always assistant; not configurable"),
+    _refused(
+        "--chat-template-content-format",
+        "text content parts are always joined into one string (vLLM's string format)",
+    ),
+    _refused("--tool-parser-plugin", "tool calls are read in the hermes format only"),
+    _refused(
+        (
+            "--return-tokens-as-token-ids",
+            "--enable-prompt-tokens-details",
+            "--enable-force-include-usage",
+            "--enable-request-id-headers",
+            "--enable-server-load-tracking",
+        ),
+        _NOT_YET,
+    ),
+)
+"""Every vLLM ``serve`` flag ``brigade serve`` knows: aliases, then accepted, then refused (the
+order of ``--help``, which leaves the refused ones out, and of docs/vllm.md)."""
