@@ -10,8 +10,9 @@ from plugin_fakes import install_fake_plugin
 
 from brigade.cli import main
 from brigade.config import check_config, load_config
-from brigade.errors import ConfigError
+from brigade.errors import ConfigError, ModelLoadError
 from brigade.interfaces import AttentionBackend, PageSizeRule, option
+from brigade.models.create import create_model
 from brigade.registry import Registry, load_registry
 
 
@@ -171,10 +172,14 @@ def test_check_reads_the_model_directory_without_loading_weights(
     (model_dir / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
     path = write(tmp_path, f'[model]\npath = "{model_dir}"\n')
     with pytest.raises(
-        ConfigError, match=r"GPT2LMHeadModel model; supported architectures: .*LlamaForCausalLM"
+        ConfigError, match=r"GPT2LMHeadModel is not supported; supported: .*LlamaForCausalLM"
     ):
         check_config(load_config(path, registry), registry)
     (model_dir / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    with pytest.raises(ModelLoadError, match=r"config\.json has no 'vocab_size'"):
+        check_config(load_config(path, registry), registry)
+    config = (create_model(tmp_path / "llama", "llama") / "config.json").read_text()
+    (model_dir / "config.json").write_text(config)  # a valid config, and no weights at all
     notes = check_config(load_config(path, registry), registry)
     assert any("LlamaForCausalLM" in n for n in notes)
 
