@@ -122,7 +122,7 @@ def _check_model(config: EngineConfig, registry: Registry, checkpoint: Checkpoin
 
     settings = config["model"].settings
     checkpoint = checkpoint or open_checkpoint(settings.path, chat_template=settings.chat_template)
-    where = f"{config.source}: [model] path {config['model'].settings.path!r}"
+    where = f"{config.source} [model]"
     try:
         architecture = model_architecture(checkpoint, registry)
     except ModelLoadError as exc:
