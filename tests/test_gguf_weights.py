@@ -62,6 +62,21 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], bool]] = {
     "qwen3": ("qwen3", {"num_attention_heads": 8, "num_key_value_heads": 2}, True),
     # llama's q/k biases are permuted like its weights
     "llama-bias-tied": ("llama", {"attention_bias": True, "mlp_bias": True}, True),
+    # Llama 3.1's RoPE scaling, which a GGUF carries as a rope_freqs tensor of divisors; a
+    # short original context so most frequencies are scaled
+    "llama3-rope": (
+        "llama",
+        {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        },
+        True,
+    ),
 }
 """name -> (create_model arch, config overrides beyond SHAPE, tie_word_embeddings)."""
 CONFIG_KEYS = (
@@ -144,7 +159,8 @@ def read_with_gguf_package(
         "q_proj": reader.fields[f"{arch}.attention.head_count"].contents(),
         "k_proj": reader.fields[f"{arch}.attention.head_count_kv"].contents(),
     }
-    stored = {t.name: t for t in reader.tensors}
+    # rope_freqs holds RoPE scaling (Llama 3), not a weight
+    stored = {t.name: t for t in reader.tensors if t.name != "rope_freqs.weight"}
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], num_layers)
     result: dict[str, tuple[str, torch.Tensor]] = {}
     for name in original:
@@ -329,8 +345,16 @@ def test_k_quant_layout_reproduces_values_on_its_grid(tensor_type: str) -> None:
 # --- logits ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("tensor_type", ["F32", "Q8_0"])
-@pytest.mark.parametrize("variant", ["llama", "qwen3"])
+@pytest.mark.parametrize(
+    ("variant", "tensor_type"),
+    [
+        ("llama", "F32"),
+        ("llama", "Q8_0"),
+        ("qwen3", "F32"),
+        ("qwen3", "Q8_0"),
+        ("llama3-rope", "F32"),
+    ],
+)
 def test_logits_match_transformers_on_the_weights_the_file_holds(
     variant: str,
     tensor_type: str,

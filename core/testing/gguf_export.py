@@ -77,7 +77,8 @@ def write_gguf(
 
     Raises ``ValueError`` for an architecture or tensor type that cannot be written, a matrix
     whose rows are not a multiple of the type's block size, or a config a GGUF of that
-    architecture cannot express (sliding windows, RoPE scaling other than linear or yarn).
+    architecture cannot express (sliding windows, RoPE scaling other than linear, yarn or
+    Llama 3's, which becomes a ``rope_freqs`` tensor as llama.cpp writes it).
     """
     import gguf
 
@@ -125,6 +126,10 @@ def write_gguf(
             quantize(values, type_name),
             raw_dtype=gguf.GGMLQuantizationType[type_name],
         )
+    head_dim = config.get("head_dim") or config["hidden_size"] // num_heads
+    factors = _rope_frequency_factors(config, head_dim) if arch == "llama" else None
+    if factors is not None:
+        writer.add_tensor("rope_freqs.weight", factors.astype(np.float32))
     if tokenizer:
         from brigade.testing.gguf_tokenizer_export import add_tokenizer_metadata
 
@@ -170,18 +175,32 @@ def _add_hyperparameters(writer: Any, config: dict[str, Any], arch: str, name: s
         **(config.get("rope_scaling") or {}),
     }
     rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "llama3" and arch == "llama":
+        rope = {"rope_theta": rope["rope_theta"]}  # the scaling goes into rope_freqs.weight
     unknown = sorted(set(rope) - _ROPE_KEYS - {"type"})
-    if rope_type not in ("default", "linear", "yarn") or unknown:
+    if rope_type not in ("default", "linear", "yarn", "llama3") or unknown:
         raise ValueError(
             f"RoPE {rope_type!r} with {unknown or 'no other keys'} cannot be written; "
             f"supported: default, linear or yarn with keys {', '.join(sorted(_ROPE_KEYS))}"
         )
     writer.add_rope_freq_base(float(rope["rope_theta"]))
-    if rope_type != "default":
+    if rope_type in ("linear", "yarn"):
         writer.add_rope_scaling_type(gguf.RopeScalingType[rope_type.upper()])
         writer.add_rope_scaling_factor(float(rope["factor"]))
     if rope_type == "yarn" and "original_max_position_embeddings" in rope:
         writer.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
+
+
+def _rope_frequency_factors(config: dict[str, Any], head_dim: int) -> np.ndarray | None:
+    """Llama 3's RoPE scaling as llama.cpp's converter stores it: one divisor per frequency
+    (the ``rope_freqs`` tensor), here derived from Brigade's own frequency code."""
+    from brigade.plugins.models.rope import inverse_frequencies, parse_rope_config
+
+    rope = parse_rope_config(config, head_dim, config["max_position_embeddings"])
+    if rope.rope_type != "llama3":
+        return None
+    plain = parse_rope_config({"rope_theta": rope.theta}, head_dim, rope.max_positions)
+    return (inverse_frequencies(plain) / inverse_frequencies(rope)).numpy()
 
 
 def _permute_for_llama_cpp(weight: np.ndarray, num_heads: int) -> np.ndarray:

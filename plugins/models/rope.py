@@ -1,8 +1,10 @@
 """Rotary position embeddings: config parsing, the cos/sin cache and its application.
 
 Frequencies follow transformers' ``modeling_rope_utils`` exactly (default, linear, llama3,
-yarn), and the rotation is its non-interleaved ``rotate_half`` convention: the first half of
-the head dimension pairs with the second half.
+yarn); ``freq_factors`` (per-frequency divisors, as llama.cpp's ``rope_freqs`` tensor holds
+them) is how a GGUF file's Llama 3 scaling arrives. The rotation is transformers'
+non-interleaved ``rotate_half`` convention: the first half of the head dimension pairs with
+the second half.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["RopeConfig", "apply_rope", "parse_rope_config", "rope_cos_sin"]
+__all__ = ["RopeConfig", "apply_rope", "inverse_frequencies", "parse_rope_config", "rope_cos_sin"]
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -84,7 +86,24 @@ def parse_rope_config(
         raise ValueError(f"{key}: rope_type {rope_type!r} needs {', '.join(missing)}")
     if theta <= 0:
         raise ValueError(f"rope_theta must be > 0, got {theta}")
+    factors = params.get("freq_factors")
+    if factors is not None:
+        if rope_type != "default":
+            raise ValueError(f"{key}: freq_factors go with rope_type 'default', not {rope_type!r}")
+        if (
+            not isinstance(factors, list | tuple)
+            or len(factors) != head_dim // 2
+            or not all(isinstance(f, int | float) and f > 0 for f in factors)
+        ):
+            raise ValueError(
+                f"{key}: freq_factors must be {head_dim // 2} positive numbers (head_dim / 2)"
+            )
     return RopeConfig(head_dim, theta, max_positions, rope_type, dict(params))
+
+
+def inverse_frequencies(config: RopeConfig) -> torch.Tensor:
+    """[head_dim // 2] float32 inverse frequencies, scaling applied."""
+    return _inverse_frequencies(config)[0]
 
 
 def _inverse_frequencies(config: RopeConfig) -> tuple[torch.Tensor, float]:
@@ -99,6 +118,10 @@ def _inverse_frequencies(config: RopeConfig) -> tuple[torch.Tensor, float]:
         return _llama3_frequencies(inv_freq, params), 1.0
     if config.rope_type == "yarn":
         return _yarn_frequencies(pos_freqs, config)
+    if params.get("freq_factors") is not None:
+        # llama.cpp's rope_freqs tensor (how GGUF files carry Llama 3's scaling): each
+        # frequency divided by its factor.
+        return inv_freq / torch.tensor(params["freq_factors"], dtype=torch.float32), 1.0
     return inv_freq, 1.0
 
 
