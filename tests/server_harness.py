@@ -9,7 +9,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import httpx
@@ -41,9 +41,10 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def running_server(
-    config_text: str, workdir: Path, *, startup_s: float = 90.0
+    config_text: str, workdir: Path, *, startup_s: float = 90.0, args: Sequence[str] = ()
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """Yield (base URL, process) of a server started from ``config_text``; stop it after."""
+    """Yield (base URL, process) of a server started from ``config_text`` (plus ``brigade
+    serve`` arguments ``args``, e.g. vLLM flags); stop it after."""
     port = free_port()
     config = workdir / f"server-{port}.toml"
     config.write_text(
@@ -53,7 +54,7 @@ def running_server(
     )
     log = (workdir / f"server-{port}.log").open("wb")
     process = subprocess.Popen(
-        [sys.executable, "-m", "brigade", "serve", "--config", str(config)],
+        [sys.executable, "-m", "brigade", "serve", "--config", str(config), *args],
         stdout=log,
         stderr=subprocess.STDOUT,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
