@@ -99,6 +99,12 @@ class EngineCore:
         spec = self.executor.kv_cache_spec()
         self.vocab_size = spec.vocab_size
         self.eos_token_ids = self.checkpoint.eos_token_ids
+        self.sampling_defaults: dict[str, float] = (
+            dict(self.checkpoint.sampling_defaults())
+            if config["model"].settings.generation_config == "auto"
+            else {}
+        )
+        """Sampling parameters that requests leaving them unset get (the model's advice)."""
         settings = config["scheduler"].settings
         # A sequence never outgrows the pool, so a request alone always fits.
         self.max_model_len = min(model.max_model_len, model.num_pages * model.page_size)

@@ -108,7 +108,7 @@ class LLM:
                 )
             params_list = list(sampling_params)
         else:
-            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+            params_list = [sampling_params or self.default_sampling_params()] * len(prompt_list)
         encoded = [self._encode(p) for p in prompt_list]
         for index, (token_ids, params) in enumerate(zip(encoded, params_list, strict=True)):
             try:
@@ -138,6 +138,11 @@ class LLM:
             results.append(result)
         self._run(tracked, use_tqdm)
         return results
+
+    def default_sampling_params(self) -> SamplingParams:
+        """What ``generate(prompts)`` uses without parameters: the model's recommended
+        sampling (``[model] generation_config = "auto"``) over ``SamplingParams()``."""
+        return SamplingParams(**self.engine.sampling_defaults)  # type: ignore[arg-type]
 
     def chat(
         self,

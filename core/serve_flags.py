@@ -258,6 +258,15 @@ FLAGS: tuple[ServeFlag, ...] = (
         metavar="TEMPLATE",
     ),
     _alias(
+        "--generation-config",
+        "model.generation_config",
+        "sampling defaults of requests that set none: auto (the default) = the model's "
+        "recommendation, from generation_config.json or a GGUF's general.sampling.*; vllm = "
+        "OpenAI's (temperature 1, top_p 1); a folder of its own is not supported",
+        parse=_choice({"auto": "auto", "vllm": "none"}),
+        metavar="auto|vllm",
+    ),
+    _alias(
         "--block-size",
         "kv.page_size",
         "tokens per KV page (vLLM's block); `brigade config check` says which sizes the "
@@ -456,8 +465,9 @@ FLAGS: tuple[ServeFlag, ...] = (
         "only text generation is served (no embedding, pooling, scoring or transcription)",
     ),
     _refused(
-        ("--generation-config", "--override-generation-config"),
-        "sampling defaults are OpenAI's; generation_config.json gives only the EOS tokens",
+        "--override-generation-config",
+        "sampling defaults come from the model (generation_config.json, a GGUF's "
+        "general.sampling.*) or are OpenAI's: --generation-config auto|vllm",
     ),
     _refused(
         "--max-logprobs",

@@ -65,11 +65,23 @@ def startup_banner(engine: EngineCore) -> str:
         f"  KV cache   {kv.num_pages} pages x {engine.batch.page_size} tokens = "
         f"{kv.num_pages * engine.batch.page_size} tokens ({pool_gib:.2f} GiB); "
         f"max_model_len {engine.max_model_len}",
+        "  sampling   "
+        + (
+            ", ".join(f"{k}={v}" for k, v in engine.sampling_defaults.items())
+            + " unless a request sets them (the model's recommendation)"
+            if engine.sampling_defaults
+            else "OpenAI's defaults (temperature 1, top_p 1) unless a request sets them"
+        ),
         "  stations   " + " ".join(f"{k}={v}" for k, v in config.components.items()),
-        f"  config     {config.source}"
-        + (f"; changed: {', '.join(changed)}" if changed else "; all defaults"),
+        f"  config     {_config_line(config.source, changed)}",
     ]
     return "\n".join(lines)
+
+
+def _config_line(source: str, changed: list[str]) -> str:
+    if not changed:
+        return "built-in defaults" if source == "(defaults)" else f"{source}: all defaults"
+    return f"{source}; changed: {', '.join(changed)}"
 
 
 def _dtype_name(dtype: Any) -> str:

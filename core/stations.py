@@ -34,6 +34,13 @@ class ModelSettings:
     chat_template: str = option(
         "", help="a Jinja chat template (file path or the template itself); '' = the model's"
     )
+    generation_config: str = option(
+        "auto",
+        help="sampling defaults of requests that leave them unset: auto = the model's "
+        "recommendation (generation_config.json, a GGUF's general.sampling.*), none = "
+        "OpenAI's (temperature 1, top_p 1)",
+        choices=("auto", "none"),
+    )
     max_model_len: int = option(
         0, help="longest sequence (prompt + output); 0 = the model's own limit", ge=0
     )

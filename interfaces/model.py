@@ -56,6 +56,12 @@ class Checkpoint(abc.ABC):
     def eos_token_ids(self) -> frozenset[int]:
         """Token ids that end a generation."""
 
+    def sampling_defaults(self) -> Mapping[str, float]:
+        """The model's recommended sampling parameters (any of ``temperature``, ``top_p``,
+        ``top_k``, ``min_p``, ``repetition_penalty``), for requests that leave them unset, as
+        vLLM applies ``generation_config.json``; empty when the files recommend none."""
+        return {}
+
     def describe(self) -> str:
         """What the files hold beyond the config, for the start-up banner (e.g. a GGUF's
         tensor types); empty when there is nothing to add."""

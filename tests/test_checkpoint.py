@@ -222,3 +222,30 @@ def test_random_tiny_is_the_built_in_test_model() -> None:
     assert checkpoint.name == RANDOM_TINY
     assert checkpoint.config["num_hidden_layers"] == 4
     assert checkpoint.tokenizer() is not None
+
+
+def test_sampling_defaults_come_from_the_model_files(
+    v5_dir: Path, tmp_path: Path, registry: Registry
+) -> None:
+    folder = shutil.copytree(v5_dir, tmp_path / "sampling")
+    generation = json.loads((folder / "generation_config.json").read_text())
+    assert open_checkpoint(str(folder)).sampling_defaults() == {}
+    generation.update(temperature=0.6, top_p=0.95, top_k=20, do_sample=True)
+    (folder / "generation_config.json").write_text(json.dumps(generation))
+    expected = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    assert open_checkpoint(str(folder)).sampling_defaults() == expected
+    settings = [f"model.path={folder}", "kv.page_size=8", "kv.num_pages=32"]
+    llm = LLM(overrides=settings)
+    assert llm.engine.sampling_defaults == expected
+    assert llm.default_sampling_params().temperature == 0.6
+    plain = LLM(overrides=[*settings, 'model.generation_config="none"'])
+    assert plain.engine.sampling_defaults == {}
+    assert plain.default_sampling_params().temperature == 1.0
+    generation["temperature"] = "hot"
+    (folder / "generation_config.json").write_text(json.dumps(generation))
+    with pytest.raises(ModelLoadError, match="temperature must be a number, got 'hot'"):
+        open_checkpoint(str(folder)).sampling_defaults()
+
+
+def test_the_default_model_recommends_its_model_card_s_sampling() -> None:
+    assert open_checkpoint("default").sampling_defaults() == {"temperature": 0.2, "top_p": 0.9}

@@ -235,6 +235,19 @@ def test_openai_defaults() -> None:
     assert completion_params(max_tokens=None).max_tokens == 99
 
 
+def test_the_model_s_recommended_sampling_fills_only_unset_fields() -> None:
+    model = {"temperature": 0.2, "top_p": 0.9, "top_k": 40, "min_p": 0.05}
+    request = decode_json(chat_body(), ChatCompletionRequest)
+    params = sampling_params(request, default_max_tokens=99, defaults=model)
+    assert (params.temperature, params.top_p, params.top_k, params.min_p) == (0.2, 0.9, 40, 0.05)
+    request = decode_json(chat_body(temperature=0, top_k=-1), ChatCompletionRequest)
+    params = sampling_params(request, default_max_tokens=99, defaults=model)
+    assert (params.temperature, params.top_p, params.top_k) == (0.0, 0.9, 0)
+    completion = decode_json(completion_body(), CompletionRequest)
+    assert sampling_params(completion, default_max_tokens=9, defaults=model).temperature == 0.2
+    assert sampling_params(completion, default_max_tokens=9, defaults={"top_k": -1}).top_k == 0
+
+
 def test_max_completion_tokens_takes_precedence() -> None:
     assert chat_params(max_tokens=5, max_completion_tokens=7).max_tokens == 7
     assert chat_params(max_tokens=5).max_tokens == 5

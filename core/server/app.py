@@ -181,7 +181,9 @@ def _handlers(state: ServerState) -> list[Any]:
         _check_model(state, body.model)
         prompt = _chat_prompt(state, body.messages, True, tools=body.tools)
         params = proto.sampling_params(
-            body, default_max_tokens=max(1, state.max_model_len - len(prompt))
+            body,
+            default_max_tokens=max(1, state.max_model_len - len(prompt)),
+            defaults=state.async_engine.engine.sampling_defaults,
         )
         calls_tools = body.tool_choice_spec() is not None
         _admit(state, request, [prompt], params.max_tokens * params.n)
@@ -224,7 +226,9 @@ def _handlers(state: ServerState) -> list[Any]:
         body = proto.decode_json(await _body(request, state), proto.CompletionRequest)
         _check_model(state, body.model)
         prompts = [_encode(state, p) for p in body.prompts()]
-        params = proto.sampling_params(body, default_max_tokens=16)
+        params = proto.sampling_params(
+            body, default_max_tokens=16, defaults=state.async_engine.engine.sampling_defaults
+        )
         for index, prompt in enumerate(prompts):
             try:
                 state.async_engine.engine.validate(prompt, params)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, TypeVar
 
 import msgspec
@@ -311,13 +311,19 @@ def decode_json(body: bytes, type_: type[T]) -> T:
 
 
 def sampling_params(
-    request: ChatCompletionRequest | CompletionRequest, *, default_max_tokens: int
+    request: ChatCompletionRequest | CompletionRequest,
+    *,
+    default_max_tokens: int,
+    defaults: Mapping[str, float] | None = None,
 ) -> SamplingParams:
-    """Map a generation request to ``SamplingParams`` (OpenAI defaults where a field is unset).
+    """Map a generation request to ``SamplingParams``.
 
+    A field the request leaves unset takes the model's recommendation from ``defaults``
+    (temperature, top_p, top_k, min_p, repetition_penalty), else OpenAI's default.
     ``default_max_tokens`` applies when the request sets neither ``max_completion_tokens`` nor
     ``max_tokens`` (the server passes what fits in the context after the prompt).
     """
+    model = defaults or {}
     max_tokens_field = "max_tokens"
     max_tokens = request.max_tokens
     if isinstance(request, ChatCompletionRequest):
@@ -333,13 +339,15 @@ def sampling_params(
     try:
         return SamplingParams(
             max_tokens=default_max_tokens if max_tokens is None else max_tokens,
-            temperature=_default(request.temperature, 1.0),
-            top_p=_default(request.top_p, 1.0),
-            top_k=0 if request.top_k is None or request.top_k == -1 else request.top_k,
-            min_p=_default(request.min_p, 0.0),
+            temperature=_default(request.temperature, model.get("temperature", 1.0)),
+            top_p=_default(request.top_p, model.get("top_p", 1.0)),
+            top_k=_top_k(request.top_k, model.get("top_k", 0)),
+            min_p=_default(request.min_p, model.get("min_p", 0.0)),
             presence_penalty=_default(request.presence_penalty, 0.0),
             frequency_penalty=_default(request.frequency_penalty, 0.0),
-            repetition_penalty=_default(request.repetition_penalty, 1.0),
+            repetition_penalty=_default(
+                request.repetition_penalty, model.get("repetition_penalty", 1.0)
+            ),
             logit_bias=_logit_bias(request.logit_bias),
             seed=request.seed,
             stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
@@ -360,6 +368,12 @@ def sampling_params(
         if renamed is not None and field is not None:
             message = renamed + message[len(field) :]
         raise ProtocolError(f"{message}.", param=renamed or field) from None
+
+
+def _top_k(value: int | None, default: float) -> int:
+    """-1 and 0 both mean off, in a request and in a model's recommendation."""
+    chosen = int(default) if value is None else value
+    return 0 if chosen == -1 else chosen
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
