@@ -180,7 +180,13 @@ class DecoderForCausalLM(nn.Module):
             )
             for index, window in enumerate(config.sliding_windows)
         )
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        # _weight skips the random init: weights are loaded anyway, and normal_ on the meta
+        # device would import torch._dynamo (~2.5 s of start-up).
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size,
+            config.hidden_size,
+            _weight=torch.empty(config.vocab_size, config.hidden_size, dtype=dtype),
+        )
         self.layers = nn.ModuleList(
             DecoderLayer(config, layer, backend, dtype) for layer in self.attention_layers
         )
