@@ -58,8 +58,8 @@ def main() -> None:
         model=model,
         messages=[{"role": "user", "content": "What is the weather in Oslo?"}],
         tools=[{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}],
-        tool_choice="required",
-        max_tokens=64,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=128,  # "<tool_call>" and its JSON take ~45 of SmolLM2's tokens
     )
     for call in reply.choices[0].message.tool_calls or []:
         print("tool call:", call.function.name, json.loads(call.function.arguments))
