@@ -10,14 +10,16 @@ import concurrent.futures
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
 
+from brigade.admission import check_request
 from brigade.assemble import build_executor, open_model
 from brigade.config import EngineConfig, check_config
-from brigade.errors import ConfigError, RequestError
+from brigade.errors import ConfigError, EngineDeadError, RequestError, RequestFailedError
+from brigade.hooks import notify_request_finished
 from brigade.interfaces import (
     KVManager,
     KVPoolParams,
@@ -28,10 +30,12 @@ from brigade.interfaces import (
     SamplerParams,
     SamplingParams,
     Scheduler,
+    SchedulerOutput,
     SchedulerParams,
 )
-from brigade.persistent_batch import PersistentBatch
+from brigade.persistent_batch import PersistentBatch, StepPlan
 from brigade.registry import Registry
+from brigade.sampling_stage import SampledTokens, SamplingStage, TokenLogprob, describe
 
 __all__ = ["EngineCore", "EngineStats", "StepUpdate", "TokenLogprob"]
 
@@ -39,15 +43,6 @@ logger = logging.getLogger(__name__)
 
 GATE_WAIT_S = 0.01
 """With nothing to run but requests waiting for their grammar, a step waits this long for one."""
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class TokenLogprob:
-    """Log probability of a sampled token and the top alternatives at its position."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -81,7 +76,15 @@ class StepUpdate:
     logprobs: list[TokenLogprob] | None
     finished: bool
     error: str | None = None
-    """Why the request was refused after it was queued (its grammar failed to compile)."""
+    """Why the request ended without an answer: refused after it was queued (its grammar
+    failed to compile; ``invalid``) or failed on its own while it ran (a plugin raised for it,
+    its sampling distribution was undefined). Other requests are not affected."""
+    invalid: bool = False
+    """True when the request itself is at fault (it cannot succeed as sent)."""
+
+
+class _FatalStepError(Exception):
+    """A step failed past the point where it could be retried (state already advanced)."""
 
 
 class EngineCore:
@@ -160,6 +163,18 @@ class EngineCore:
             model.page_size,
             settings.max_num_batched_tokens,
         )
+        self.sampling = SamplingStage(
+            self.sampler,
+            self.sampler_name,
+            self.processors,
+            self.batch,
+            self.device,
+            self.vocab_size,
+        )
+        self._pending: list[StepUpdate] = []
+        """Updates made outside a step's own rows (refused or failed requests), for its output."""
+        self.dead: str | None = None
+        """Why the engine can no longer step (None while it can)."""
         self.requests: dict[str, Request] = {}
         self._generators: dict[str, torch.Generator] = {}
         self.num_steps = 0
@@ -174,26 +189,14 @@ class EngineCore:
     # -- requests -----------------------------------------------------------------------
 
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        """Raise ``RequestError`` if the engine cannot serve this request."""
-        if not prompt_token_ids:
-            raise RequestError("the prompt is empty")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise RequestError(
-                f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
-            )
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise RequestError(
-                f"the prompt has {len(prompt_token_ids)} tokens; this engine serves at most "
-                f"{self.max_model_len - 1} prompt tokens (max_model_len {self.max_model_len})"
-            )
-        for name, ids in (
-            ("logit_bias", params.logit_bias or {}),
-            ("stop_token_ids", params.stop_token_ids),
-        ):
-            outside = [t for t in ids if not 0 <= int(t) < self.vocab_size]
-            if outside:
-                raise RequestError(f"{name} token id {outside[0]} is outside the vocabulary")
+        """Raise ``RequestError`` (naming the field) if the engine cannot serve this request.
+
+        Read-only, so the server calls it off the engine thread: a request that passes is
+        never refused later for its prompt or its sampling parameters.
+        """
+        check_request(
+            prompt_token_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len
+        )
 
     def prepare(self, params: SamplingParams) -> concurrent.futures.Future[Any] | None:
         """Start compiling the request's grammar (None: it has none). Thread-safe.
@@ -247,12 +250,29 @@ class EngineCore:
             generator.manual_seed(params.seed)
             self._generators[request_id] = generator
         self.requests[request_id] = request
-        self.scheduler.add(request)
+        try:
+            self.scheduler.add(request)
+        except Exception as exc:
+            self._forget(request)
+            try:  # it may hold the request half-added
+                self.scheduler.abort(request_id)
+            except Exception:
+                logger.exception("the scheduler failed to drop request %s", request_id)
+            raise RequestFailedError(
+                f"the scheduler {self.config.plugin('scheduler')!r} failed to queue this "
+                f"request: {describe(exc)}"
+            ) from exc
         return request
 
     def abort_request(self, request_id: str) -> Request | None:
         """Stop a request wherever it is and free its pages; None if it is not here."""
-        request = self.scheduler.abort(request_id)
+        try:
+            request = self.scheduler.abort(request_id)
+        except Exception as exc:  # it is forgotten here all the same: nobody waits for it
+            logger.error("the scheduler failed to abort request %s: %s", request_id, describe(exc))
+            request = self.requests.get(request_id)
+            if request is not None:
+                request.status = RequestStatus.FINISHED_ABORTED
         if request is None:
             return None
         self._gates.pop(request, None)
@@ -281,65 +301,145 @@ class EngineCore:
 
     @torch.inference_mode()
     def step(self) -> list[StepUpdate]:
-        """Run one engine step; returns an update per request that got a token or finished."""
-        refused = self._open_gates() if self._gates else []
+        """Run one engine step; returns an update per request that got a token or finished.
+
+        A failure that one request explains (a logits processor or the sampler raising for
+        its row, an undefined sampling distribution, a processor refusing the request) fails
+        that request alone: its update is finished and carries ``error``, and the others get
+        the tokens they would have had alone. Any other failure (the scheduler, the forward
+        pass) is retried once. When the retry fails too, or a failure leaves the step half
+        done, the engine is dead: this call and every later one raise ``EngineDeadError``,
+        and :attr:`dead` says why.
+        """
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+        try:
+            return self._step()
+        except _FatalStepError as fatal:
+            raise self._die(str(fatal), fatal.__cause__) from fatal.__cause__
+        except Exception as exc:
+            logger.error("engine step failed; retrying it once: %s", describe(exc), exc_info=exc)
+        try:
+            return self._step()
+        except Exception as exc:
+            cause = exc.__cause__ if isinstance(exc, _FatalStepError) else exc
+            reason = str(exc) if isinstance(exc, _FatalStepError) else describe(exc)
+            raise self._die(f"the engine step failed twice in a row: {reason}", cause) from cause
+
+    def _step(self) -> list[StepUpdate]:
+        if self._gates:
+            self._open_gates()
         output = self.scheduler.schedule()
         for request in output.preempted:
             if request in self.batch:
                 self._release_row(request)
-        for copies in (output.swap_out, output.swap_in):  # out first: ins may reuse its pages
-            if copies:
-                sources, targets = zip(*copies, strict=True)
-                self.executor.copy_pages(sources, targets)
+        self._copy_swapped_pages(output)
+        refused = []
+        for item in output.scheduled:
+            if item.request not in self.batch:
+                error = self._take_row(item.request)
+                if error is not None:
+                    self._fail(item.request, error)
+                    refused.append(item.request)
+        if refused:
+            output = _without(output, refused)
         if output.is_empty:
-            if self._gates:  # only requests waiting for their grammar: do not spin
+            if self._gates and not refused:  # only requests waiting for their grammar: no spin
                 concurrent.futures.wait(
                     self._gates.values(),
                     timeout=GATE_WAIT_S,
                     return_when=concurrent.futures.FIRST_COMPLETED,
                 )
-            return refused
-        for item in output.scheduled:
-            if item.request not in self.batch:
-                self._take_row(item.request)
+            return self._take_pending()
         plan = self.batch.prepare(output.scheduled, self.kv)
         result = self.executor.execute(plan.model_input)
         self.num_steps += 1
-        updates: list[StepUpdate] = refused
+        sampled = self._sample(result, plan)
+        try:  # tokens are being handed out: a retry would hand them out twice
+            return self._account(output, plan, sampled)
+        except Exception as exc:
+            raise _FatalStepError(f"recording the step's tokens failed: {describe(exc)}") from exc
+
+    def _copy_swapped_pages(self, output: SchedulerOutput) -> None:
+        for copies in (output.swap_out, output.swap_in):  # out first: ins may reuse its pages
+            if copies:
+                sources, targets = zip(*copies, strict=True)
+                try:
+                    self.executor.copy_pages(sources, targets)
+                except Exception as exc:  # the scheduler already counts these pages as moved
+                    raise _FatalStepError(
+                        f"copying swapped KV pages failed: {describe(exc)}"
+                    ) from exc
+
+    def _sample(self, result: torch.Tensor, plan: StepPlan) -> SampledTokens:
+        if not plan.sampled:
+            return SampledTokens([], None, {})
+        if self._executor_returns_token_ids:  # no logits: no processors, no sampler
+            return SampledTokens(result.tolist(), None, {})
+        # Recomputing reruns the same forward pass, which rewrites the same KV entries.
+        return self.sampling.sample(
+            result, plan.sampled_rows, lambda: self.executor.execute(plan.model_input)
+        )
+
+    def _account(
+        self, output: SchedulerOutput, plan: StepPlan, sampled: SampledTokens
+    ) -> list[StepUpdate]:
+        """Append the sampled tokens, finish requests, tell the scheduler and the KV manager."""
+        requests, rows, tokens = plan.sampled, plan.sampled_rows, sampled.token_ids
+        logprobs = sampled.logprobs
+        failed = {requests[index]: error for index, error in sampled.failures.items()}
+        if failed:  # rare: take the failed rows out of the step
+            keep = [i for i in range(len(requests)) if i not in sampled.failures]
+            requests = tuple(requests[i] for i in keep)
+            rows, tokens = [rows[i] for i in keep], [tokens[i] for i in keep]
+            logprobs = None if logprobs is None else [logprobs[i] for i in keep]
+        updates: list[StepUpdate] = []
         finished: list[Request] = []
-        if plan.sampled:
-            if self._executor_returns_token_ids:  # no logits: no processors, no sampler
-                tokens, logprobs = result.tolist(), None
-            else:
-                tokens, logprobs = self._sample(result, plan.sampled_rows)
-            positions = [request.num_tokens for request in plan.sampled]
-            self.batch.append_tokens(plan.sampled_rows, positions, tokens)
-            for processor in self.processors:
-                if processor.needs_tokens:
-                    processor.accept_batch(plan.sampled_rows, tokens)
+        if requests:
+            positions = [request.num_tokens for request in requests]
+            self.batch.append_tokens(rows, positions, tokens)
+            rejected = self.sampling.accept(rows, tokens)
             # Rows whose grammar is complete: nothing but a stop token could follow.
-            complete = set(self._grammar_stage.finished_rows()) if self._grammar_stage else ()
-            for index, (request, token) in enumerate(zip(plan.sampled, tokens, strict=True)):
+            stage = self._grammar_stage
+            complete = self.sampling.finished_rows(stage) if stage is not None else set()
+            for index, (request, token) in enumerate(zip(requests, tokens, strict=True)):
+                if index in rejected:
+                    failed[request] = rejected[index]
+                    continue
                 request.output_token_ids.append(token)
                 status = self._finish_status(request, token)
-                if status is None and plan.sampled_rows[index] in complete:
+                if status is None and rows[index] in complete:
                     status = RequestStatus.FINISHED_STOPPED
                 if status is not None:
                     request.status = status
                     finished.append(request)
-                row_logprobs = None if logprobs is None else [logprobs[index]]
-                updates.append(StepUpdate(request, [token], row_logprobs, status is not None))
+                row_logprobs = None if logprobs is None else logprobs[index]
+                updates.append(
+                    StepUpdate(
+                        request,
+                        [token],
+                        None if row_logprobs is None else [row_logprobs],
+                        status is not None,
+                    )
+                )
+        for request, error in failed.items():
+            self._fail(request, error)
+        if failed:
+            output = _without(output, failed)
         self.scheduler.update(output, finished)
         for item in output.scheduled:
             self.kv.commit(item.request)
         for request in finished:
             self.kv.free(request)
             self._leave(request)
-        return updates
+        pending = self._take_pending()
+        if not pending:
+            return updates
+        pending.extend(updates)
+        return pending
 
-    def _open_gates(self) -> list[StepUpdate]:
+    def _open_gates(self) -> None:
         """Let requests whose grammar is ready be scheduled; refuse those whose failed."""
-        refused = []
         for request, gate in list(self._gates.items()):
             if not gate.done():
                 continue
@@ -351,29 +451,30 @@ class EngineCore:
             logger.warning("request %s refused: %s", request.request_id, error)
             if self.scheduler.abort(request.request_id) is not None:
                 self._leave(request)
-                refused.append(StepUpdate(request, [], None, True, error=str(error)))
-        return refused
+                self._pending.append(
+                    StepUpdate(request, [], None, True, error=str(error), invalid=True)
+                )
 
-    def _sample(self, logits: torch.Tensor, rows: list[int]) -> tuple[list[int], Any]:
-        active = [processor for processor in self.processors if processor.is_active]
-        for processor in active:  # host work (bitmasks) while the device runs the model
-            processor.begin_step(rows)
-        batch = self.batch.sampling_batch(rows, self.device)
-        for processor in active:
-            logits = processor.apply(logits, batch.rows)
-        result = self.sampler.sample(logits, batch)
-        tokens: list[int] = result.token_ids.tolist()  # the step's one device-to-host sync
-        if result.logprobs is None or result.logprob_token_ids is None:
-            return tokens, None
-        values, ids = result.logprobs.tolist(), result.logprob_token_ids.tolist()
-        logprobs = []
-        for index, row in enumerate(rows):
-            wanted = self.batch.num_logprobs[row]
-            top = tuple(zip(ids[index][1 : 1 + wanted], values[index][1 : 1 + wanted], strict=True))
-            logprobs.append(
-                TokenLogprob(ids[index][0], values[index][0], top) if wanted >= 0 else None
-            )
-        return tokens, logprobs
+    def _take_pending(self) -> list[StepUpdate]:
+        pending, self._pending = self._pending, []
+        return pending
+
+    def _fail(self, request: Request, error: str) -> None:
+        """End ``request`` alone with ``error``; its update leaves with this step's."""
+        logger.error("request %s failed: %s", request.request_id, error)
+        try:
+            self.scheduler.abort(request.request_id)
+            self.kv.free(request)  # a no-op when the scheduler freed it
+        except Exception as exc:
+            logger.error("dropping failed request %s: %s", request.request_id, describe(exc))
+        request.status = RequestStatus.FINISHED_ABORTED
+        self._leave(request)
+        self._pending.append(StepUpdate(request, [], None, True, error=error))
+
+    def _die(self, reason: str, cause: BaseException | None) -> EngineDeadError:
+        self.dead = reason
+        logger.critical("the engine is dead: %s", reason, exc_info=cause)
+        return EngineDeadError(reason)
 
     def _finish_status(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params
@@ -388,25 +489,37 @@ class EngineCore:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def _take_row(self, request: Request) -> None:
+    def _take_row(self, request: Request) -> str | None:
+        """Give ``request`` a batch row; the reason when it cannot have one."""
         if request.first_scheduled_time is None:
             request.first_scheduled_time = time.monotonic()
             self._queue_time_total += request.first_scheduled_time - request.arrival_time
             self._num_scheduled += 1
-        row = self.batch.assign(request, self._generators.get(request.request_id))
-        for processor in self.processors:
-            processor.add(row, request)
+        try:
+            row = self.batch.assign(request, self._generators.get(request.request_id))
+        except Exception as exc:
+            return f"its sampling parameters could not be stored: {describe(exc)}"
+        return self.sampling.add(row, request)
 
     def _release_row(self, request: Request) -> None:
         row = self.batch.release(request)
-        for processor in self.processors:
-            processor.remove(row)
+        self.sampling.remove(row, request)
 
     def _leave(self, request: Request) -> None:
-        """A request is done (finished or aborted): forget it everywhere."""
+        """A request is done (finished, aborted or failed): forget it everywhere."""
         if request in self.batch:
             self._release_row(request)
+        self._forget(request)
+        if self.hook is not None:
+            notify_request_finished(self.hook, request)
+
+    def _forget(self, request: Request) -> None:
         self.requests.pop(request.request_id, None)
         self._generators.pop(request.request_id, None)
-        if self.hook is not None:
-            self.hook.brigade_request_finished(request=request)
+        self._gates.pop(request, None)
+
+
+def _without(output: SchedulerOutput, requests: Collection[Request]) -> SchedulerOutput:
+    """``output`` less the entries of ``requests`` (which failed in this step)."""
+    kept = tuple(item for item in output.scheduled if item.request not in requests)
+    return dataclasses.replace(output, scheduled=kept)

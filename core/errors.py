@@ -6,9 +6,11 @@ __all__ = [
     "BrigadeError",
     "ConfigError",
     "DuplicateComponentError",
+    "EngineDeadError",
     "IncompatiblePluginError",
     "ModelLoadError",
     "RequestError",
+    "RequestFailedError",
     "UnknownComponentError",
 ]
 
@@ -37,7 +39,24 @@ class UnknownComponentError(BrigadeError, KeyError):
 
 
 class RequestError(BrigadeError, ValueError):
-    """A request the engine cannot serve (bad prompt, parameters out of range, too long)."""
+    """A request the engine cannot serve (bad prompt, parameters out of range, too long).
+
+    ``param`` names the request field at fault (``prompt``, ``temperature``, ...) when one is.
+    """
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class RequestFailedError(BrigadeError):
+    """A request the engine accepted failed on its own: a plugin raised for it, or its
+    sampling was undefined. The message names the cause; other requests were not affected."""
+
+
+class EngineDeadError(BrigadeError):
+    """The engine can no longer run steps (a failure no single request explains, twice in a
+    row); every request in it has failed. The server exits so that a supervisor restarts it."""
 
 
 class ModelLoadError(BrigadeError, ValueError):

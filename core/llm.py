@@ -32,10 +32,14 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None
-    """'stop' (EOS, stop token or stop string), 'length' or 'abort'."""
+    """'stop' (EOS, stop token or stop string), 'length', 'abort', or 'error' (it failed on
+    its own: see ``error``)."""
     stop_reason: str | None = None
     """The stop string that ended it, when one did."""
     logprobs: list[TokenLogprob | None] | None = None
+    error: str | None = None
+    """Why it failed (a plugin raised for it, or its sampling was undefined); the other
+    requests of the batch were not affected."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -92,7 +96,10 @@ class LLM:
 
         ``priority`` is one value for all prompts or one per prompt; lower runs first under
         the ``priority`` scheduler (FCFS ignores it). Every prompt is validated before any
-        runs: a bad one raises ``RequestError`` and nothing is generated.
+        runs: a bad one raises ``RequestError`` and nothing is generated. A request that
+        fails on its own while the batch runs gets ``finish_reason`` "error" and its
+        ``error``; the others finish as they would have alone. ``EngineDeadError`` means the
+        engine can no longer run (the outputs are lost).
         """
         prompt_list = _as_prompt_list(prompts)
         if isinstance(priority, int):
@@ -199,8 +206,15 @@ class LLM:
             while remaining:
                 for update in self.engine.step():
                     entry = tracked[update.request.request_id]
-                    if update.error is not None:  # only if a grammar failed after _check
-                        raise RequestError(update.error)
+                    if update.error is not None:
+                        if update.invalid:  # only if a grammar failed after _check
+                            raise RequestError(update.error)
+                        entry.output.finish_reason = "error"
+                        entry.output.error = update.error
+                        entry.finished = True
+                        remaining -= 1
+                        bar.update(1)
+                        continue
                     if self._apply(entry, update.request, update.new_token_ids, update.logprobs):
                         remaining -= 1
                         bar.update(1)

@@ -84,6 +84,8 @@ class BrigadeHookSpec:
     def brigade_request_finished(self, request: Request) -> None:
         """Observe a finished request (metrics exporters, audit logs).
 
-        Called once per request after it leaves the engine, off the step's hot path. The
-        request must not be mutated.
+        Called once per request after it leaves the engine (finished, aborted or failed), off
+        the step's hot path. The request must not be mutated. An implementation that raises
+        is logged with its plugin's name; the request, the other implementations and the
+        engine go on as if it had not.
         """

@@ -68,7 +68,9 @@ class SamplingBatch:
 @dataclasses.dataclass(frozen=True, slots=True)
 class SampleOutput:
     token_ids: torch.Tensor
-    """[num_rows] int64 sampled ids (the step's one device-to-host sync reads these)."""
+    """[num_rows] int64 sampled ids (the step's one device-to-host sync reads these). A row
+    that cannot be sampled (NaN logits, every token masked) may be answered with -1: core
+    fails that row's request alone, as it does for any id outside the vocabulary."""
     logprobs: torch.Tensor | None = None
     """[num_rows, 1 + N] float32, N = ``batch.max_num_logprobs``: the sampled token's log
     probability, then the top-N in descending order (rows that asked for fewer ignore the
@@ -88,6 +90,13 @@ class LogitsProcessor(abc.ABC):
     with its emitted tokens already in ``request.output_token_ids``), :meth:`begin_step` and
     :meth:`apply` each step while :attr:`is_active`, :meth:`accept_batch` with every step's
     sampled tokens, and :meth:`remove` when the request leaves its row.
+
+    Failures stay with the request that caused them: when :meth:`add` raises, that request
+    fails alone (its client gets the exception's message). When :meth:`begin_step`,
+    :meth:`apply` or the sampler raises, core recomputes the step's logits (``apply`` may have
+    edited them in place) and samples each row on its own, then fails the rows that raise
+    again. When :meth:`accept_batch` raises, core retries it one row at a time, so it must
+    raise before recording anything. A :meth:`remove` that raises is logged.
 
     A grammar stage (:attr:`structured_output` True) also gets :meth:`prepare` for every
     request with ``sampling_params.structured_output`` before it may run, and reports rows

@@ -45,6 +45,11 @@ class Scheduler(abc.ABC):
     Readiness gate: a request whose ``ready`` is False (its grammar is still compiling) is
     queued but must not be scheduled, nor hold KV pages, until core sets ``ready``; requests
     behind it may go first.
+
+    Failures: when :meth:`add` raises, that request alone is refused (core then calls
+    :meth:`abort` for it, in case it was half added). When :meth:`schedule` raises, core
+    retries the step once; a second failure in a row is fatal to the engine (the server
+    exits), so raise only when the queues can no longer be trusted.
     """
 
     def __init__(self, params: SchedulerParams, kv: KVManager) -> None:

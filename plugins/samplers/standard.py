@@ -4,6 +4,9 @@ One pass over the whole batch; each filter runs only when the batch's host-side 
 row needs it. Tokens are drawn with the exponential race: ``argmax(probs / q)`` with
 ``q ~ Exp(1)`` picks token ``i`` with probability ``probs[i]``, and lets a seeded row draw its
 own noise from its own generator, so its tokens do not depend on what else is batched.
+
+A row whose distribution is undefined (NaN logits, or every token masked to -inf) is answered
+with token id -1, which core fails alone (see ``SampleOutput.token_ids``).
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ class StandardSampler(Sampler):
         if batch.max_num_logprobs is not None:
             all_logprobs = torch.log_softmax(logits, dim=-1)  # [S, vocab]
         # token_ids: [S]
-        token_ids = _argmax(logits) if batch.all_greedy else _sample_random(logits, batch)
+        token_ids = _greedy(logits) if batch.all_greedy else _sample_random(logits, batch)
         if batch.max_num_logprobs is not None:
             logprobs, logprob_token_ids = _gather_logprobs(
                 all_logprobs, token_ids, batch.max_num_logprobs
@@ -70,7 +73,7 @@ class StandardSampler(Sampler):
 def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Sample [S] token ids; rows with temperature 0 take the argmax."""
     greedy = batch.temperature == 0  # [S]
-    greedy_ids = _argmax(logits)  # [S]
+    greedy_ids = logits.max(dim=-1).indices  # [S]
     temperature = torch.where(greedy, 1.0, batch.temperature.clamp_min(_MIN_TEMPERATURE))
     logits.div_(temperature.unsqueeze(1))
     if batch.any_top_k or batch.any_top_p:
@@ -82,13 +85,18 @@ def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         logits.masked_fill_(logits < threshold, float("-inf"))
     probs = logits.softmax(dim=-1)  # [S, vocab]
     noise = _exponential_noise(probs, batch.generators)  # [S, vocab]
-    sampled = _argmax(probs.div_(noise))  # [S]
-    return torch.where(greedy, greedy_ids, sampled)
+    # A row's probabilities are NaN when its logits are (or all -inf), greedy rows included.
+    best = probs.div_(noise).max(dim=-1)
+    token_ids = torch.where(greedy, greedy_ids, best.indices)  # [S]
+    return token_ids.masked_fill_(best.values.isnan(), -1)
 
 
-def _argmax(values: torch.Tensor) -> torch.Tensor:
-    """[S] index of each row's maximum, the first on ties (as ``argmax``, ~1.7x faster on CPU)."""
-    return values.max(dim=-1).indices
+def _greedy(logits: torch.Tensor) -> torch.Tensor:
+    """[S] index of each row's maximum, the first on ties (as ``argmax``, ~1.7x faster on CPU
+    through ``max``); -1 for a row that has none (NaN, or every value -inf)."""
+    best = logits.max(dim=-1)  # NaN propagates: a row holding one has a NaN maximum
+    undefined = best.values.isnan() | best.values.isneginf()  # [S]
+    return best.indices.masked_fill_(undefined, -1)
 
 
 def _exponential_noise(
@@ -137,5 +145,7 @@ def _gather_logprobs(
     """[S, 1 + N] logprobs and ids: the sampled token's first, then the top-N descending."""
     top_logprobs, top_ids = all_logprobs.topk(num_logprobs, dim=-1)  # [S, N]
     sampled = token_ids.unsqueeze(1)  # [S, 1]
-    logprobs = torch.cat([all_logprobs.gather(1, sampled), top_logprobs], dim=1)
+    # A row answered -1 fails in core; its logprob column only needs a valid index.
+    picked = all_logprobs.gather(1, sampled.clamp_min(0))
+    logprobs = torch.cat([picked, top_logprobs], dim=1)
     return logprobs, torch.cat([sampled, top_ids], dim=1)

@@ -1,0 +1,250 @@
+"""The sampling half of an engine step, with each failure kept to the request that caused it.
+
+One step samples every row at once: the active logits processors (``begin_step``, then
+``apply`` in order), the sampler, then the logprobs the rows asked for. When that raises, the
+stage does not know whose row made it fail, and the processors may already have edited the
+logits in place; so it recomputes the logits (the caller reruns the forward pass, which
+rewrites the same KV) and samples each row on its own. The rows that fail again are reported
+as failures (core fails those requests alone); every other row keeps the token it drew on its
+own, which for a greedy or seeded row is the token the batch would have given it.
+
+A row whose distribution is undefined (NaN logits, or every token masked) comes back from the
+sampler as an id outside the vocabulary (the standard sampler answers -1); it fails alone too.
+None of this costs the normal path anything but a ``try`` and a ``min``/``max`` over the ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from brigade.interfaces import LogitsProcessor, Request, Sampler
+
+if TYPE_CHECKING:
+    import torch
+
+    from brigade.persistent_batch import PersistentBatch
+
+__all__ = ["SampledTokens", "SamplingStage", "TokenLogprob", "describe"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+UNDEFINED_DISTRIBUTION = (
+    "its sampling distribution is undefined (the logits are NaN, or its sampling parameters "
+    "mask every token)"
+)
+_MAX_MESSAGE = 300
+"""Characters of a plugin's exception message kept in a request's error."""
+
+
+def describe(exc: BaseException) -> str:
+    """``ExceptionType: message`` on one line, shortened: what a request's error names."""
+    message = " ".join(str(exc).split())
+    if len(message) > _MAX_MESSAGE:
+        message = message[: _MAX_MESSAGE - 3] + "..."
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """Log probability of a sampled token and the top alternatives at its position."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SampledTokens:
+    """One token per sampled row, and the rows that failed."""
+
+    token_ids: list[int]
+    """One id per row; a failed row's entry is meaningless."""
+    logprobs: list[TokenLogprob | None] | None
+    """Per row when any row asked for logprobs, else None."""
+    failures: dict[int, str]
+    """Index of a failed row (in the step's sampled rows) -> why its request failed."""
+
+
+class _StageError(Exception):
+    """A station raised while sampling; ``what`` names it for the request's error."""
+
+    def __init__(self, what: str, cause: BaseException) -> None:
+        super().__init__(what)
+        self.what = what
+        self.cause = cause
+
+    def reason(self) -> str:
+        return f"{self.what} failed for this request: {describe(self.cause)}"
+
+
+class SamplingStage:
+    """The logits-processor chain and the sampler of one engine, over its persistent batch."""
+
+    def __init__(
+        self,
+        sampler: Sampler,
+        sampler_name: str,
+        processors: Sequence[LogitsProcessor],
+        batch: PersistentBatch,
+        device: torch.device,
+        vocab_size: int,
+    ) -> None:
+        self.sampler = sampler
+        self.sampler_name = sampler_name
+        self.processors = list(processors)
+        self.batch = batch
+        self.device = device
+        self.vocab_size = vocab_size
+
+    # -- rows ---------------------------------------------------------------------------
+
+    def add(self, row: int, request: Request) -> str | None:
+        """Register ``request``'s row with every processor; the reason if one refused it."""
+        for processor in self.processors:
+            try:
+                processor.add(row, request)
+            except Exception as exc:
+                return _StageError(_name(processor), exc).reason()
+        return None
+
+    def remove(self, row: int, request: Request) -> None:
+        """Unregister ``row`` from every processor; a processor that raises is logged."""
+        for processor in self.processors:
+            try:
+                processor.remove(row)
+            except Exception as exc:
+                logger.error(
+                    "%s failed to release request %s: %s",
+                    _name(processor),
+                    request.request_id,
+                    describe(exc),
+                )
+
+    # -- the step -----------------------------------------------------------------------
+
+    def sample(
+        self, logits: torch.Tensor, rows: list[int], recompute: Callable[[], torch.Tensor]
+    ) -> SampledTokens:
+        """Sample one token for each persistent row in ``rows`` from ``logits`` [S, vocab].
+
+        ``recompute`` returns the step's logits again (used only after a failure).
+        """
+        try:
+            tokens, logprobs = self._sample_rows(logits, rows)
+        except _StageError as failure:
+            logger.warning(
+                "sampling a batch of %d rows failed (%s); sampling each row alone",
+                len(rows),
+                failure.reason(),
+            )
+            return self._sample_one_by_one(recompute(), rows)
+        failures: dict[int, str] = {}
+        if tokens and (min(tokens) < 0 or max(tokens) >= self.vocab_size):
+            failures = self._out_of_vocabulary(tokens)
+        return SampledTokens(tokens, logprobs, failures)
+
+    def accept(self, rows: list[int], token_ids: list[int]) -> dict[int, str]:
+        """Give each processor the step's tokens; index of a failed row -> why.
+
+        A processor whose ``accept_batch`` raises is given the rows one at a time to find
+        the ones it fails for (the contract asks it to raise before recording anything).
+        """
+        failures: dict[int, str] = {}
+        for processor in self.processors:
+            if not processor.needs_tokens:
+                continue
+            try:
+                processor.accept_batch(rows, token_ids)
+            except Exception:
+                for index, (row, token) in enumerate(zip(rows, token_ids, strict=True)):
+                    try:
+                        processor.accept_batch([row], [token])
+                    except Exception as exc:
+                        failures.setdefault(index, _StageError(_name(processor), exc).reason())
+        return failures
+
+    def finished_rows(self, stage: LogitsProcessor) -> set[int]:
+        """Rows whose grammar is complete (none when the stage fails to say: logged)."""
+        try:
+            return set(stage.finished_rows())
+        except Exception as exc:
+            logger.error("%s failed to report finished rows: %s", _name(stage), describe(exc))
+            return set()
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _sample_rows(
+        self, logits: torch.Tensor, rows: list[int]
+    ) -> tuple[list[int], list[TokenLogprob | None] | None]:
+        active = [processor for processor in self.processors if processor.is_active]
+        for processor in active:  # host work (bitmasks) while the device runs the model
+            _guarded(_name(processor), processor.begin_step, rows)
+        batch = self.batch.sampling_batch(rows, self.device)
+        for processor in active:
+            logits = _guarded(_name(processor), processor.apply, logits, batch.rows)
+        sampler = f"the sampler {self.sampler_name!r}"
+        result = _guarded(sampler, self.sampler.sample, logits, batch)
+        tokens: list[int] = result.token_ids.tolist()  # the step's one device-to-host sync
+        if result.logprobs is None or result.logprob_token_ids is None:
+            return tokens, None
+        values, ids = result.logprobs.tolist(), result.logprob_token_ids.tolist()
+        logprobs: list[TokenLogprob | None] = []
+        for index, row in enumerate(rows):
+            wanted = self.batch.num_logprobs[row]
+            top = tuple(zip(ids[index][1 : 1 + wanted], values[index][1 : 1 + wanted], strict=True))
+            logprobs.append(
+                TokenLogprob(ids[index][0], values[index][0], top) if wanted >= 0 else None
+            )
+        return tokens, logprobs
+
+    def _sample_one_by_one(self, logits: torch.Tensor, rows: list[int]) -> SampledTokens:
+        tokens: list[int] = []
+        logprobs: list[TokenLogprob | None] = []
+        any_logprobs = False
+        failures: dict[int, str] = {}
+        for index, row in enumerate(rows):
+            try:
+                row_tokens, row_logprobs = self._sample_rows(logits[index : index + 1], [row])
+            except _StageError as failure:
+                failures[index] = failure.reason()
+                tokens.append(-1)
+                logprobs.append(None)
+                continue
+            token = row_tokens[0]
+            if not 0 <= token < self.vocab_size:
+                failures[index] = self._token_failure(token)
+            tokens.append(token)
+            any_logprobs = any_logprobs or row_logprobs is not None
+            logprobs.append(None if row_logprobs is None else row_logprobs[0])
+        return SampledTokens(tokens, logprobs if any_logprobs else None, failures)
+
+    def _out_of_vocabulary(self, tokens: list[int]) -> dict[int, str]:
+        return {
+            index: self._token_failure(token)
+            for index, token in enumerate(tokens)
+            if not 0 <= token < self.vocab_size
+        }
+
+    def _token_failure(self, token: int) -> str:
+        if token == -1:
+            return UNDEFINED_DISTRIBUTION
+        return (
+            f"the sampler {self.sampler_name!r} returned token id {token}, outside the "
+            f"vocabulary [0, {self.vocab_size})"
+        )
+
+
+def _guarded(what: str, call: Callable[..., T], *args: Any) -> T:
+    try:
+        return call(*args)
+    except Exception as exc:
+        raise _StageError(what, exc) from exc
+
+
+def _name(processor: LogitsProcessor) -> str:
+    return f"the logits processor {type(processor).__name__}"
