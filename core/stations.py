@@ -94,7 +94,22 @@ class ServerSettings:
         0, help="prompt + max tokens per API key (or client); 0 = no limit", ge=0
     )
     shutdown_timeout_s: float = option(
-        30.0, help="on SIGTERM, how long running requests may take to finish", ge=0
+        30.0,
+        help="on SIGTERM, how long running requests may take to finish; then they end with "
+        "finish_reason 'abort'",
+        ge=0,
+    )
+    header_timeout_s: float = option(
+        10.0, help="a connection that has not sent a request's headers within this is closed", gt=0
+    )
+    body_timeout_s: float = option(
+        30.0, help="a request body that has not fully arrived within this gets 408", gt=0
+    )
+    keep_alive_timeout_s: float = option(
+        5.0, help="an idle keep-alive connection is closed after this", gt=0
+    )
+    max_connections: int = option(
+        2048, help="open connections beyond this are closed at once (new requests: 503)", ge=1
     )
 
 

@@ -9,7 +9,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import httpx
@@ -41,10 +41,16 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def running_server(
-    config_text: str, workdir: Path, *, startup_s: float = 90.0, args: Sequence[str] = ()
+    config_text: str,
+    workdir: Path,
+    *,
+    startup_s: float = 90.0,
+    args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """Yield (base URL, process) of a server started from ``config_text`` (plus ``brigade
-    serve`` arguments ``args``, e.g. vLLM flags); stop it after."""
+    serve`` arguments ``args``, e.g. vLLM flags; ``env`` replaces the environment); stop it
+    after."""
     port = free_port()
     config = workdir / f"server-{port}.toml"
     config.write_text(
@@ -57,7 +63,7 @@ def running_server(
         [sys.executable, "-m", "brigade", "serve", "--config", str(config), *args],
         stdout=log,
         stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"},
     )
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + startup_s
@@ -86,3 +92,8 @@ def running_server(
                 process.kill()
                 process.wait()
         log.close()
+
+
+def server_log(workdir: Path, base: str) -> str:
+    """The output of the server at ``base`` started in ``workdir``."""
+    return (workdir / f"server-{base.rsplit(':', 1)[1]}.log").read_text()

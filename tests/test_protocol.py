@@ -538,3 +538,23 @@ def test_error_headers() -> None:
     assert AuthenticationError().headers()["WWW-Authenticate"] == "Bearer"
     assert ProtocolError("x").headers() == {}
     assert "2000 bytes" in RequestTooLargeError(2000, 1000).message
+
+
+def test_a_logprob_of_minus_infinity_is_sent_as_openai_s_floor_not_null() -> None:
+    from brigade.engine import TokenLogprob
+    from brigade.server.responses import LOGPROB_FLOOR, chat_logprobs, completion_logprobs
+
+    class Tokenizer:
+        def convert_ids_to_tokens(self, token_id: int) -> str:
+            return f"t{token_id}"
+
+        def convert_tokens_to_string(self, tokens: list[str]) -> str:
+            return "".join(tokens)
+
+    masked = [TokenLogprob(1, float("-inf"), ((2, float("-inf")), (3, float("nan"))))]
+    chat = msgspec.json.decode(msgspec.json.encode(chat_logprobs(masked, Tokenizer())))
+    assert chat["content"][0]["logprob"] == LOGPROB_FLOOR
+    assert [top["logprob"] for top in chat["content"][0]["top_logprobs"]] == [LOGPROB_FLOOR] * 2
+    legacy = completion_logprobs(masked, Tokenizer(), 0)
+    assert legacy["token_logprobs"] == [LOGPROB_FLOOR]
+    assert set(legacy["top_logprobs"][0].values()) == {LOGPROB_FLOOR}

@@ -7,6 +7,7 @@ import json
 import re
 import signal
 import time
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -273,7 +274,9 @@ def bare_app(model_name: str, *, shutting_down: bool = False) -> Any:
     from brigade.stations import ServerSettings
 
     state = ServerState(
-        async_engine=None,  # type: ignore[arg-type]
+        async_engine=types.SimpleNamespace(  # type: ignore[arg-type]
+            dead=None, engine=types.SimpleNamespace(vocab_size=256, max_model_len=64)
+        ),
         frontend=None,  # type: ignore[arg-type]
         tokenizer=None,
         settings=ServerSettings(),
@@ -433,7 +436,12 @@ def test_sigterm_lets_running_requests_finish_then_exits_0(strict_server: tuple)
         lines = stream.iter_lines()
         next(line for line in lines if line.startswith("data:"))
         process.send_signal(signal.SIGTERM)
+        draining = httpx.get(f"{server}/health", timeout=10)  # still listening, saying so
+        refused = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 1}, key="c")
         rest = list(lines)
+    assert draining.status_code == 503
+    assert draining.json()["status"] == "shutting down"
+    assert refused.status_code == 503
     assert "data: [DONE]" in rest
     finals = [json.loads(line[6:]) for line in rest if line.startswith("data: {")]
     assert finals[-1]["choices"][0]["finish_reason"] == "length"

@@ -104,8 +104,9 @@ def test_finished_requests_count_tokens_and_reasons() -> None:
         prompt_tokens=5, generation_tokens=16, e2e_s=2.0, finish_reason="length"
     )
     metrics.observe_finished(prompt_tokens=2, generation_tokens=0, e2e_s=0.1, finish_reason="abort")
-    assert value(metrics, "brigade:prompt_tokens_total") == 14
-    assert value(metrics, "brigade:generation_tokens_total") == 19
+    metrics.observe_finished(prompt_tokens=1, generation_tokens=2, e2e_s=0.1, finish_reason="error")
+    assert value(metrics, "brigade:prompt_tokens_total") == 15
+    assert value(metrics, "brigade:generation_tokens_total") == 21
     for reason in FINISH_REASONS:
         assert value(metrics, "brigade:request_success_total", finished_reason=reason) == 1
 

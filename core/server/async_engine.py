@@ -4,25 +4,32 @@ The HTTP event loop never runs a model step: it hands requests to the engine thr
 command queue and receives each request's updates on an ``asyncio.Queue``. The interface
 (``submit`` / ``abort`` / per-request async iterators of ``StepUpdate``) is what a
 two-process split would keep, with the queues replaced by IPC.
+
+The thread never dies silently: a request that cannot be queued fails alone, and when the
+engine dies (``EngineDeadError``, or anything escaping the loop) every waiting stream gets the
+error, :attr:`AsyncEngine.dead` says why, later requests are refused, and ``on_dead`` tells the
+server, which exits so that a supervisor restarts it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import logging
 import queue
 import threading
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 
 from brigade.engine import EngineCore, EngineStats, StepUpdate
-from brigade.errors import BrigadeError, RequestError
+from brigade.errors import EngineDeadError, RequestError, RequestFailedError
 from brigade.interfaces import SamplingParams
+from brigade.sampling_stage import describe
+from brigade.server.errors import EngineOverloadedError, EngineUnavailableError
 
-__all__ = ["AsyncEngine", "EngineOverloadedError"]
+__all__ = ["AsyncEngine", "EngineOverloadedError", "EngineUnavailableError"]
 
-
-class EngineOverloadedError(BrigadeError):
-    """The bounded waiting queue is full; the client should retry later."""
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -40,24 +47,60 @@ class _Abort:
     request_id: str
 
 
-class AsyncEngine:
-    """Runs ``EngineCore.step`` in a loop on a worker thread; requests stream back to asyncio."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class _AbortAll:
+    """End every request now; each stream gets a last update (finish reason ``abort``)."""
 
-    def __init__(self, engine: EngineCore, *, max_waiting_requests: int) -> None:
+
+_Command = _Add | _Abort | _AbortAll | None
+
+
+class AsyncEngine:
+    """Runs ``EngineCore.step`` in a loop on a worker thread; requests stream back to asyncio.
+
+    ``on_dead(reason)`` is called on the engine thread once, when the engine dies.
+    """
+
+    def __init__(
+        self,
+        engine: EngineCore,
+        *,
+        max_waiting_requests: int,
+        on_dead: Callable[[str], None] | None = None,
+    ) -> None:
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
-        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self.on_dead = on_dead
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._streams: dict[str, _Add] = {}
         self._num_unstarted = 0
         """Requests submitted that have not produced a token yet (the bounded queue)."""
+        self._num_active = 0
+        """``generate`` calls in progress."""
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name="brigade-engine", daemon=True)
         self._stopped = False
+        self.dead: str | None = None
+        """Why the engine died (None while it runs)."""
         self.snapshot: EngineStats = engine.stats()
         """Engine counters as of the latest step (read by /health and /metrics)."""
         self._thread.start()
 
     # -- event-loop side ----------------------------------------------------------------
+
+    def check_capacity(self, num_requests: int = 1) -> None:
+        """Raise ``EngineOverloadedError`` unless ``num_requests`` more may wait now."""
+        if self.dead is not None:
+            raise EngineUnavailableError(
+                f"the engine has failed ({self.dead}); this server is restarting"
+            )
+        if self._stopped:
+            raise EngineOverloadedError("the server is shutting down")
+        if num_requests and self._num_unstarted + num_requests > self.max_waiting_requests:
+            raise EngineOverloadedError(
+                f"{self._num_unstarted} requests are already waiting "
+                f"(max_waiting_requests = {self.max_waiting_requests}); retry later"
+            )
 
     async def generate(
         self,
@@ -66,31 +109,39 @@ class AsyncEngine:
         params: SamplingParams,
         *,
         priority: int = 0,
+        check_queue: bool = True,
     ) -> AsyncGenerator[StepUpdate, None]:
-        """Submit a request and yield its updates; leaving early aborts it in the engine."""
+        """Submit a request and yield its updates; leaving early aborts it in the engine.
+
+        Before its first update a failure raises: ``RequestError`` (the request is invalid),
+        ``RequestFailedError`` (a plugin failed for it) or ``EngineDeadError``. After it, a
+        failure of this request alone arrives as its last update, with ``error`` set.
+        ``check_queue`` False skips the waiting-queue bound (the parent request took the
+        place: ``n`` > 1 choices).
+        """
         self.engine.validate(prompt_token_ids, params)  # read-only: safe off the thread
-        if self._stopped:
-            raise EngineOverloadedError("the server is shutting down")
-        if self._num_unstarted >= self.max_waiting_requests:
-            raise EngineOverloadedError(
-                f"{self._num_unstarted} requests are already waiting "
-                f"(max_waiting_requests = {self.max_waiting_requests}); retry later"
-            )
+        self.check_capacity(1 if check_queue else 0)
         sink: asyncio.Queue[StepUpdate | BaseException] = asyncio.Queue()
         loop = asyncio.get_running_loop()
         self._num_unstarted += 1
+        self._num_active += 1
         started = False
         finished = False
-        self._send(_Add(request_id, list(prompt_token_ids), params, priority, sink, loop))
         try:
+            self._send(_Add(request_id, list(prompt_token_ids), params, priority, sink, loop))
+            if self.dead is not None:  # it died as we sent: nobody may be left to answer
+                finished = True
+                raise EngineDeadError(self.dead)
             while True:
                 item = await sink.get()
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
-                if item.error is not None:
+                if item.error is not None and not started:
                     finished = True
-                    raise RequestError(item.error)
+                    if item.invalid:
+                        raise RequestError(item.error)
+                    raise RequestFailedError(item.error)
                 if not started:
                     started = True
                     self._num_unstarted -= 1
@@ -99,6 +150,7 @@ class AsyncEngine:
                     finished = True
                     return
         finally:
+            self._num_active -= 1
             if not started:
                 self._num_unstarted -= 1
             if not finished:
@@ -108,9 +160,18 @@ class AsyncEngine:
         """Stop a request (no-op if it already finished)."""
         self._send(_Abort(request_id))
 
+    def abort_all(self) -> None:
+        """End every request now: streams finish with reason ``abort`` (shutdown timeout)."""
+        self._send(_AbortAll())
+
     @property
     def num_unstarted(self) -> int:
         return self._num_unstarted
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests submitted and not yet finished (their streams still open)."""
+        return self._num_active
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stop the worker thread after its current step."""
@@ -119,35 +180,39 @@ class AsyncEngine:
         self._wake.set()
         self._thread.join(timeout)
 
-    def _send(self, command: _Add | _Abort) -> None:
+    def _send(self, command: _Add | _Abort | _AbortAll) -> None:
         self._commands.put(command)
         self._wake.set()
 
     # -- engine-thread side -------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except EngineDeadError as exc:
+            self._die(str(exc))
+        except BaseException as exc:  # a failure outside any step: the engine cannot go on
+            logger.critical("the engine thread failed", exc_info=exc)
+            self._die(f"the engine thread failed: {describe(exc)}")
+
+    def _loop(self) -> None:
         engine = self.engine
         while True:
             if not self._drain_commands():
                 return
             if not engine.has_unfinished():
-                self.snapshot = self.engine.stats()  # aborts may have freed pages
+                self.snapshot = engine.stats()  # aborts may have freed pages
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
-            try:
-                updates = engine.step()
-            except Exception as exc:  # a step failure fails its requests, not the server
-                self._fail_all(exc)
-                continue
-            for update in updates:
+            for update in engine.step():
                 stream = self._streams.get(update.request.request_id)
                 if stream is None:
                     continue
-                stream.loop.call_soon_threadsafe(stream.sink.put_nowait, update)
+                _put(stream, update)
                 if update.finished:
                     del self._streams[update.request.request_id]
-            self.snapshot = self.engine.stats()
+            self.snapshot = engine.stats()
 
     def _drain_commands(self) -> bool:
         while True:
@@ -157,25 +222,59 @@ class AsyncEngine:
                 return True
             if command is None:
                 return False
-            if isinstance(command, _Abort):
-                if self.engine.abort_request(command.request_id) is not None:
-                    self._streams.pop(command.request_id, None)
-                continue
-            try:
-                self.engine.add_request(
-                    command.request_id,
-                    command.prompt_token_ids,
-                    command.params,
-                    priority=command.priority,
-                )
-            except RequestError as exc:
-                command.loop.call_soon_threadsafe(command.sink.put_nowait, exc)
-                continue
-            self._streams[command.request_id] = command
+            if isinstance(command, _Add):
+                self._add(command)
+            elif isinstance(command, _Abort):
+                self._abort(command.request_id, notify=False)
+            else:
+                for request_id in list(self._streams):
+                    self._abort(request_id, notify=True)
 
-    def _fail_all(self, exc: Exception) -> None:
-        error = RuntimeError(f"engine step failed: {exc}")
-        for request_id, stream in list(self._streams.items()):
-            self.engine.abort_request(request_id)
-            stream.loop.call_soon_threadsafe(stream.sink.put_nowait, error)
+    def _add(self, command: _Add) -> None:
+        try:
+            self.engine.add_request(
+                command.request_id,
+                command.prompt_token_ids,
+                command.params,
+                priority=command.priority,
+            )
+        except (RequestError, RequestFailedError) as exc:
+            _put(command, exc)
+            return
+        except Exception as exc:  # this request fails; the engine goes on
+            logger.exception("queueing request %s failed", command.request_id)
+            _put(command, RequestFailedError(f"queueing this request failed: {describe(exc)}"))
+            return
+        self._streams[command.request_id] = command
+
+    def _abort(self, request_id: str, *, notify: bool) -> None:
+        try:
+            request = self.engine.abort_request(request_id)
+        except Exception:  # the client is gone or the server is stopping: log, go on
+            logger.exception("aborting request %s failed", request_id)
+            request = None
+        stream = self._streams.pop(request_id, None)
+        if notify and stream is not None and request is not None:
+            _put(stream, StepUpdate(request, [], None, True))
+
+    def _die(self, reason: str) -> None:
+        self.dead = reason  # first: generate() checks it after sending
+        error = EngineDeadError(f"the engine failed: {reason}")
+        for stream in self._streams.values():
+            _put(stream, error)
         self._streams.clear()
+        while True:  # requests sent before `dead` was set are answered too
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(command, _Add):
+                _put(command, error)
+        if self.on_dead is not None:
+            self.on_dead(reason)
+
+
+def _put(stream: _Add, item: StepUpdate | BaseException) -> None:
+    """Hand ``item`` to a request's stream (dropped if its event loop has closed)."""
+    with contextlib.suppress(RuntimeError):  # a closed loop: the server is exiting
+        stream.loop.call_soon_threadsafe(stream.sink.put_nowait, item)

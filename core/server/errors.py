@@ -12,19 +12,23 @@ from typing import Literal
 
 import msgspec
 
-from brigade.errors import BrigadeError
+from brigade.errors import BrigadeError, EngineDeadError, RequestError, RequestFailedError
 
 __all__ = [
     "APIError",
     "AuthenticationError",
+    "EngineOverloadedError",
+    "EngineUnavailableError",
     "ErrorDetail",
     "ErrorResponse",
     "InternalServerError",
     "NotFoundError",
     "ProtocolError",
     "RateLimitError",
+    "RequestTimeoutError",
     "RequestTooLargeError",
     "ServerOverloadedError",
+    "api_error",
 ]
 
 _AT_PATH = re.compile(r"^(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.DOTALL)
@@ -166,16 +170,30 @@ class RateLimitError(APIError):
         return {"Retry-After": str(self.retry_after)}
 
 
+class RequestTimeoutError(APIError):
+    """408: the request body did not arrive within ``[server] body_timeout_s``."""
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(
+            408,
+            f"The request body did not arrive within {timeout_s:g} s.",
+            type="invalid_request_error",
+            code="request_timeout",
+        )
+
+
 class ServerOverloadedError(APIError):
-    """503: the waiting queue is full; nothing was queued, the client may retry."""
+    """503: nothing was queued; the waiting queue is full, the server is shutting down, or
+    its engine has failed (``code`` "engine_unavailable"; the server is restarting)."""
 
     def __init__(
         self,
         message: str = "The server is overloaded (waiting queue full); please retry later.",
         *,
         retry_after: float | None = None,
+        code: str = "server_overloaded",
     ) -> None:
-        super().__init__(503, message, type="server_error", code="server_overloaded")
+        super().__init__(503, message, type="server_error", code=code)
         self.retry_after = None if retry_after is None else max(1, math.ceil(retry_after))
 
     def headers(self) -> dict[str, str]:
@@ -188,3 +206,34 @@ class InternalServerError(APIError):
 
     def __init__(self, message: str = "Internal server error.") -> None:
         super().__init__(500, message, type="server_error", code="internal_error")
+
+
+class EngineOverloadedError(BrigadeError):
+    """The bounded waiting queue is full (or the server is stopping); nothing was queued."""
+
+
+class EngineUnavailableError(EngineOverloadedError):
+    """The engine has died; nothing was queued and the server is about to exit."""
+
+
+def api_error(exc: BaseException) -> APIError | None:
+    """The error a client gets for ``exc``; None for an exception nobody expected (the
+    caller logs it and answers a bare 500, never its text)."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, RequestError):
+        return ProtocolError(str(exc), param=exc.param)
+    if isinstance(exc, RequestFailedError):
+        return InternalServerError(_sentence(str(exc)))
+    if isinstance(exc, EngineDeadError):
+        return InternalServerError(_sentence(f"{exc}; the server is restarting"))
+    if isinstance(exc, EngineUnavailableError):
+        return ServerOverloadedError(_sentence(str(exc)), code="engine_unavailable")
+    if isinstance(exc, EngineOverloadedError):
+        return ServerOverloadedError(_sentence(str(exc)))
+    return None
+
+
+def _sentence(text: str) -> str:
+    text = text[:1].upper() + text[1:]
+    return text if text.endswith(".") else text + "."

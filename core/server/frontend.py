@@ -16,6 +16,7 @@ from typing import Any
 import structlog
 
 from brigade.engine import StepUpdate, TokenLogprob
+from brigade.errors import RequestError, RequestFailedError
 from brigade.interfaces import Detokenizer, SamplingParams
 from brigade.server.async_engine import AsyncEngine
 from brigade.server.logs import log_request_finished
@@ -34,6 +35,8 @@ class ChoiceDelta:
     logprobs: list[TokenLogprob] | None
     finish_reason: str | None = None
     stop_reason: str | None = None
+    error: RequestError | RequestFailedError | None = None
+    """Why the choice failed (``finish_reason`` "error"): invalid, or a plugin failed for it."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -73,7 +76,9 @@ class Frontend:
 
         Choice 0 runs first; the others join once its prompt is prefilled, so their prompt
         pages come from the prefix cache (shared with choice 0, not recomputed). Choice i
-        uses seed + i. Leaving the iterator early aborts every choice.
+        uses seed + i. Leaving the iterator early aborts every choice. A choice that fails
+        on its own ends with a delta whose ``finish_reason`` is "error" and whose ``error``
+        says why; the other choices go on.
         """
         arrival = time.monotonic()
         deltas: asyncio.Queue[ChoiceDelta | BaseException | None] = asyncio.Queue()
@@ -94,6 +99,7 @@ class Frontend:
                     arrival,
                     deltas,
                     on_first_token=fork if child == 0 and params.n > 1 else None,
+                    check_queue=child == 0,
                 )
             )
             tasks.append(task)
@@ -128,11 +134,14 @@ class Frontend:
         arrival: float,
         out: asyncio.Queue[ChoiceDelta | BaseException | None],
         on_first_token: Callable[[], None] | None,
+        check_queue: bool,
     ) -> None:
         choice: _Choice | None = None
         finish_reason = "abort"
         try:
-            stream = self.engine.generate(request_id, prompt_token_ids, params, priority=priority)
+            stream = self.engine.generate(
+                request_id, prompt_token_ids, params, priority=priority, check_queue=check_queue
+            )
             async for update in stream:
                 if choice is None:
                     choice = _Choice(index, request_id, self.detokenizer.start(update.request))
@@ -151,6 +160,11 @@ class Frontend:
                     break
         except asyncio.CancelledError:
             raise
+        except (RequestError, RequestFailedError) as exc:  # this choice alone failed
+            finish_reason = "error"
+            out.put_nowait(ChoiceDelta(index, "", [], None, "error", error=exc))
+            if choice is None and on_first_token is not None:
+                on_first_token()  # the other choices were to start after this one's prefill
         except Exception as exc:  # handed to the consumer, which re-raises it
             out.put_nowait(exc)
             return
@@ -160,6 +174,10 @@ class Frontend:
         out.put_nowait(None)
 
     def _delta(self, choice: _Choice, update: StepUpdate) -> ChoiceDelta:
+        if update.error is not None:  # it failed after its first token
+            text = self.detokenizer.finish(choice.state).text
+            error = RequestFailedError(update.error)
+            return ChoiceDelta(choice.index, text, [], None, "error", error=error)
         tokens = update.new_token_ids
         text_delta = self.detokenizer.step(choice.state, tokens)
         logprobs = update.logprobs

@@ -23,8 +23,9 @@ from brigade.interfaces import STRUCTURED_OUTPUT_KINDS
 
 __all__ = ["FINISH_REASONS", "ServerMetrics"]
 
-FINISH_REASONS = ("stop", "length", "abort")
-"""Values of the ``finished_reason`` label (the terminal ``RequestStatus`` values)."""
+FINISH_REASONS = ("stop", "length", "abort", "error")
+"""Values of the ``finished_reason`` label (the terminal ``RequestStatus`` values, and
+"error" for a request that failed on its own)."""
 
 # Buckets in seconds, spanning what an operator wants to tell apart: TTFT from a warm prefix
 # hit (a few ms) to a long prompt behind a full queue (a minute); inter-token latency from a

@@ -47,6 +47,21 @@ MAX_N = 128
 ROLES = ("system", "developer", "user", "assistant", "tool")
 """Message roles we accept (``function`` messages belong to the deprecated functions API)."""
 RESPONSE_FORMATS = ("text", "json_object", "json_schema", "regex", "ebnf")
+MAX_DEPTH = 64
+"""Arrays and objects nested deeper than this anywhere in a request body are refused (400):
+deeper JSON is no real schema or tool list, and would exhaust recursion further on."""
+_ANY_FIELDS = (
+    "response_format",
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "audio",
+    "web_search_options",
+)
+"""Fields decoded as any JSON: their depth is checked here (typed fields have their own)."""
+MAX_TOKEN_ID_DIGITS = 18
+"""A ``logit_bias`` key longer than this (leading zeros aside) is no token id of any model."""
 
 
 class StreamOptions(msgspec.Struct, omit_defaults=True):
@@ -114,6 +129,8 @@ class _SamplingFields(msgspec.Struct, kw_only=True, dict=True):
     response_format: Any = None
 
     def _check_common(self) -> None:
+        for name in _ANY_FIELDS:
+            _check_depth(getattr(self, name, None), name, base=1)
         if self.stream_options is not None and not self.stream:
             raise ProtocolError(
                 "stream_options is only allowed when stream is true.", param="stream_options"
@@ -308,6 +325,31 @@ def decode_json(body: bytes, type_: type[T]) -> T:
         return msgspec.json.decode(body, type=type_)
     except msgspec.DecodeError as exc:
         raise ProtocolError.from_decode_error(exc) from None
+    except RecursionError:  # msgspec's own limit, far past MAX_DEPTH
+        raise ProtocolError(
+            f"request body is nested too deeply: at most {MAX_DEPTH} levels of arrays and "
+            "objects are allowed."
+        ) from None
+
+
+def _check_depth(value: Any, param: str, *, base: int) -> None:
+    """400 when ``value`` (found ``base`` levels deep in the body) nests past MAX_DEPTH."""
+    stack = [(value, base)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if depth + 1 > MAX_DEPTH:
+            raise ProtocolError(
+                f"{param} is nested too deeply: at most {MAX_DEPTH} levels of arrays and "
+                "objects are allowed in a request.",
+                param=param,
+            )
+        stack.extend((child, depth + 1) for child in children)
 
 
 def sampling_params(
@@ -364,7 +406,11 @@ def sampling_params(
         message = str(exc).removeprefix("sampling parameter ")
         name = re.match(r"\w+", message)
         field = name[0] if name else None
-        renamed = {"max_tokens": max_tokens_field, "logprobs": logprobs_field}.get(field or "")
+        renamed = {
+            "max_tokens": max_tokens_field,
+            "logprobs": logprobs_field,
+            "structured_output": "response_format",
+        }.get(field or "")
         if renamed is not None and field is not None:
             message = renamed + message[len(field) :]
         raise ProtocolError(f"{message}.", param=renamed or field) from None
@@ -383,7 +429,12 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
         if not (key.isascii() and key.isdigit()):
             raise ProtocolError(
                 f'logit_bias keys must be token ids written as integer strings (e.g. "42"); '
-                f"got {key!r}.",
+                f"got {key[:40]!r}.",
+                param="logit_bias",
+            )
+        if len(key.lstrip("0")) > MAX_TOKEN_ID_DIGITS:
+            raise ProtocolError(
+                f"logit_bias key {key[:24]}... is no token id of this model's vocabulary.",
                 param="logit_bias",
             )
     return {int(key): value for key, value in bias.items()}
@@ -394,6 +445,7 @@ def _check_messages(messages: Sequence[ChatMessage]) -> None:
         raise ProtocolError("messages must not be empty.", param="messages")
     for index, message in enumerate(messages):
         at = f"messages[{index}]"
+        _check_depth(message.tool_calls, f"{at}.tool_calls", base=3)
         if message.role not in ROLES:
             raise ProtocolError(
                 f"role {message.role!r} is not supported: expected one of {', '.join(ROLES)}.",

@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # brigade.engine imports torch; the wire protocol does not ne
     from brigade.engine import TokenLogprob
 
 __all__ = [
+    "LOGPROB_FLOOR",
     "SSE_DONE",
     "ChatChoice",
     "ChatChunkChoice",
@@ -56,6 +57,9 @@ __all__ = [
 
 SSE_DONE = b"data: [DONE]\n\n"
 """The last Server-Sent Event of every stream."""
+LOGPROB_FLOOR = -9999.0
+"""What a token its constraints exclude (log probability -inf) shows, as OpenAI does: JSON
+has no -inf, and null would break the schema."""
 
 
 class TokenizerLike(Protocol):
@@ -342,11 +346,11 @@ def chat_logprobs(
         top: list[TopLogprob] = []
         for token_id, logprob in entry.top:
             text = _token_text(tokenizer, token_id, texts)
-            top.append({"token": text, "logprob": logprob, "bytes": list(text.encode())})
+            top.append({"token": text, "logprob": _floor(logprob), "bytes": list(text.encode())})
         content.append(
             {
                 "token": token,
-                "logprob": entry.logprob,
+                "logprob": _floor(entry.logprob),
                 "bytes": list(token.encode()),
                 "top_logprobs": top,
             }
@@ -373,10 +377,10 @@ def completion_logprobs(
         if entry is None:
             continue
         token = _token_text(tokenizer, entry.token_id, texts)
-        top = {_token_text(tokenizer, token_id, texts): lp for token_id, lp in entry.top}
-        top.setdefault(token, entry.logprob)
+        top = {_token_text(tokenizer, token_id, texts): _floor(lp) for token_id, lp in entry.top}
+        top.setdefault(token, _floor(entry.logprob))
         result["tokens"].append(token)
-        result["token_logprobs"].append(entry.logprob)
+        result["token_logprobs"].append(_floor(entry.logprob))
         result["top_logprobs"].append(top)
         result["text_offset"].append(offset)
         offset += len(token)
@@ -390,6 +394,11 @@ def _token_text(tokenizer: TokenizerLike, token_id: int, cache: dict[int, str]) 
         text = tokenizer.convert_tokens_to_string([tokenizer.convert_ids_to_tokens(token_id)])
         cache[token_id] = text
     return text
+
+
+def _floor(logprob: float) -> float:
+    """``logprob``, or :data:`LOGPROB_FLOOR` for -inf (and NaN, which fails every comparison)."""
+    return logprob if logprob >= LOGPROB_FLOOR else LOGPROB_FLOOR
 
 
 def _need(tokenizer: TokenizerLike | None) -> TokenizerLike:

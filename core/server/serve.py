@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import signal
+import logging
+import math
 import socket
-from typing import Any
 
 import structlog
 
@@ -16,6 +16,8 @@ from brigade.registry import Registry, default_registry
 from brigade.server.app import ServerState, create_app
 from brigade.server.async_engine import AsyncEngine
 from brigade.server.frontend import Frontend
+from brigade.server.http import GuardedH11Protocol, ThrottledWarnings
+from brigade.server.lifecycle import ABORT_GRACE_S, BrigadeServer
 from brigade.server.logs import configure_logging
 from brigade.server.metrics import ServerMetrics
 from brigade.server.ratelimit import RateLimiter
@@ -48,7 +50,8 @@ def build_state(config: EngineConfig, registry: Registry) -> ServerState:
 
 
 def serve(config_path: str | None, overrides: list[str]) -> int:
-    """Run the server until SIGTERM/SIGINT; running requests get ``shutdown_timeout_s``."""
+    """Run the server until SIGTERM/SIGINT or until its engine dies; returns the exit status
+    (see ``brigade.server.lifecycle``: 0 stopped, 1 engine dead, 128 + signal forced)."""
     import uvicorn
 
     configure_logging()
@@ -72,34 +75,38 @@ def serve(config_path: str | None, overrides: list[str]) -> int:
         max_model_len=engine.max_model_len,
         load_time_s=round(engine.load_time_s, 2),
     )
-    server = uvicorn.Server(
+    protocol = GuardedH11Protocol.with_limits(
+        header_timeout_s=settings.header_timeout_s,
+        keep_alive_timeout_s=settings.keep_alive_timeout_s,
+        max_connections=settings.max_connections,
+    )
+    server = BrigadeServer(
         uvicorn.Config(
             create_app(state),
             host=settings.host,
             port=settings.port,
+            http=protocol,
             log_level="warning",
-            timeout_graceful_shutdown=int(settings.shutdown_timeout_s) or None,
+            # Brigade drains first (shutdown_timeout_s); this bounds the answers' last writes.
+            timeout_graceful_shutdown=math.ceil(ABORT_GRACE_S),
+            timeout_keep_alive=math.ceil(settings.keep_alive_timeout_s),
             lifespan="off",
-        )
+        ),
+        state,
     )
+    logging.getLogger("uvicorn.error").addFilter(ThrottledWarnings())
+    state.async_engine.on_dead = server.engine_died
+    if state.async_engine.dead is not None:  # died before the callback was set
+        server.engine_died(state.async_engine.dead)
     print(startup_banner(engine), flush=True)
     _print_example(settings.host, settings.port, state.model_name, bool(settings.api_keys))
-
-    original = signal.getsignal(signal.SIGTERM)
-
-    def on_term(signum: int, frame: Any) -> None:
-        state.shutting_down = True  # /health turns 503, new requests are refused
-        log.info("shutdown_requested", signal=signum)
-        server.handle_exit(signum, frame)
-
-    signal.signal(signal.SIGTERM, on_term)
     try:
         server.run(sockets=[sock])
     finally:
-        signal.signal(signal.SIGTERM, original)
         state.async_engine.shutdown()
-        log.info("server_stopped")
-    return 0
+        state.blocking.shutdown(wait=False, cancel_futures=True)
+    log.info("server_stopped", exit_code=server.exit_code)
+    return server.exit_code
 
 
 def _listen(host: str, port: int) -> socket.socket:

@@ -8,12 +8,23 @@ from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from typing import Any
 
+import structlog
+
 from brigade.engine import TokenLogprob
 from brigade.server import responses as out
+from brigade.server.errors import APIError, InternalServerError, api_error
 from brigade.server.frontend import ChoiceDelta
 from brigade.server.tools import ToolCallStream, tool_call_dicts
 
-__all__ = ["Collected", "chat_events", "collect", "completion_events", "merge", "prepend"]
+__all__ = [
+    "Collected",
+    "chat_events",
+    "collect",
+    "completion_events",
+    "error_event",
+    "merge",
+    "prepend",
+]
 
 
 @dataclasses.dataclass(slots=True)
@@ -25,6 +36,8 @@ class Collected:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob | None] | None = None
     num_tokens: int = 0
+    error: APIError | None = None
+    """Why the choice failed (``finish_reason`` "error")."""
 
 
 async def collect(
@@ -40,7 +53,25 @@ async def collect(
             choice.logprobs = (choice.logprobs or []) + list(delta.logprobs or [])
         if delta.finish_reason is not None:
             choice.finish_reason = delta.finish_reason
+        if delta.error is not None:
+            choice.error = _client_error(delta.error)
     return [choices[i] for i in sorted(choices)]
+
+
+def error_event(error: APIError) -> bytes:
+    """The SSE event that tells a streaming client why its request failed (OpenAI's shape,
+    which the ``openai`` client raises as an ``APIError``)."""
+    return b"data: " + error.to_body() + b"\n\n"
+
+
+def _client_error(exc: BaseException) -> APIError:
+    error = api_error(exc)
+    if error is None:
+        structlog.get_logger("brigade.server").error(
+            "stream_failed", error=type(exc).__name__, exc_info=exc
+        )
+        return InternalServerError()
+    return error
 
 
 async def chat_events(
@@ -59,46 +90,56 @@ async def chat_events(
 
     With ``tool_calls``, text is streamed as content until a ``<tool_call>`` opens; each call
     is sent as one ``tool_calls`` delta once it is complete, and a choice that made calls
-    finishes with ``tool_calls``.
+    finishes with ``tool_calls``. A failure ends the stream with an error event (OpenAI's
+    error body) before ``[DONE]``: at once when the request as a whole failed, after the
+    other choices when one choice failed (its last chunk has ``finish_reason`` "error").
     """
     started: set[int] = set()
     parsers: dict[int, ToolCallStream] = {}
     completion_tokens = 0
-    async with aclosing(deltas):
-        async for delta in deltas:
-            role = None if delta.index in started else "assistant"
-            started.add(delta.index)
-            completion_tokens += len(delta.token_ids)
-            logprobs = None
-            if want_logprobs and delta.logprobs:
-                logprobs = out.chat_logprobs(delta.logprobs, tokenizer)
-            content: str | None = delta.text
-            calls = None
-            finish_reason = delta.finish_reason
-            if tool_calls:
-                parser = parsers.setdefault(delta.index, ToolCallStream())
-                first = parser.num_calls
-                content, parsed = parser.feed(delta.text, final=finish_reason is not None)
-                calls = tool_call_dicts(parsed, first_index=first) or None
-                if finish_reason == "stop" and parser.num_calls:
-                    finish_reason = "tool_calls"
-                if calls and not content:
-                    content = None
-            chunk = out.chat_chunk(
-                response_id,
-                model,
-                created,
-                index=delta.index,
-                role=role,
-                content=content,
-                logprobs=logprobs,
-                finish_reason=finish_reason,
-                tool_calls=calls,
-            )
-            yield out.sse_event(chunk)
+    failure: APIError | None = None
+    try:
+        async with aclosing(deltas):
+            async for delta in deltas:
+                if delta.error is not None and failure is None:
+                    failure = _client_error(delta.error)
+                role = None if delta.index in started else "assistant"
+                started.add(delta.index)
+                completion_tokens += len(delta.token_ids)
+                logprobs = None
+                if want_logprobs and delta.logprobs:
+                    logprobs = out.chat_logprobs(delta.logprobs, tokenizer)
+                content: str | None = delta.text
+                calls = None
+                finish_reason = delta.finish_reason
+                if tool_calls:
+                    parser = parsers.setdefault(delta.index, ToolCallStream())
+                    first = parser.num_calls
+                    content, parsed = parser.feed(delta.text, final=finish_reason is not None)
+                    calls = tool_call_dicts(parsed, first_index=first) or None
+                    if finish_reason == "stop" and parser.num_calls:
+                        finish_reason = "tool_calls"
+                    if calls and not content:
+                        content = None
+                chunk = out.chat_chunk(
+                    response_id,
+                    model,
+                    created,
+                    index=delta.index,
+                    role=role,
+                    content=content,
+                    logprobs=logprobs,
+                    finish_reason=finish_reason,
+                    tool_calls=calls,
+                )
+                yield out.sse_event(chunk)
+    except Exception as exc:  # the request as a whole failed (the engine died, ...)
+        failure = _client_error(exc)
     if include_usage:
         usage = out.usage(prompt_tokens, completion_tokens)
         yield out.sse_event(out.chat_usage_chunk(response_id, model, created, usage))
+    if failure is not None:
+        yield error_event(failure)
     yield out.SSE_DONE
 
 
@@ -113,39 +154,49 @@ async def completion_events(
     want_logprobs: bool,
     include_usage: bool,
 ) -> AsyncGenerator[bytes, None]:
-    """SSE events of a streamed text completion, ending with ``data: [DONE]``."""
+    """SSE events of a streamed text completion, ending with ``data: [DONE]`` (failures as
+    in :func:`chat_events`)."""
     offsets: dict[int, int] = {}
     completion_tokens = 0
-    async with aclosing(deltas):
-        async for delta in deltas:
-            completion_tokens += len(delta.token_ids)
-            logprobs = None
-            if want_logprobs and delta.logprobs:
-                start = offsets.get(delta.index, 0)
-                logprobs = out.completion_logprobs(delta.logprobs, tokenizer, start)
-            offsets[delta.index] = offsets.get(delta.index, 0) + len(delta.text)
-            chunk = out.completion_chunk(
-                response_id,
-                model,
-                created,
-                index=delta.index,
-                text=delta.text,
-                logprobs=logprobs,
-                finish_reason=delta.finish_reason,
-            )
-            yield out.sse_event(chunk)
+    failure: APIError | None = None
+    try:
+        async with aclosing(deltas):
+            async for delta in deltas:
+                if delta.error is not None and failure is None:
+                    failure = _client_error(delta.error)
+                completion_tokens += len(delta.token_ids)
+                logprobs = None
+                if want_logprobs and delta.logprobs:
+                    start = offsets.get(delta.index, 0)
+                    logprobs = out.completion_logprobs(delta.logprobs, tokenizer, start)
+                offsets[delta.index] = offsets.get(delta.index, 0) + len(delta.text)
+                chunk = out.completion_chunk(
+                    response_id,
+                    model,
+                    created,
+                    index=delta.index,
+                    text=delta.text,
+                    logprobs=logprobs,
+                    finish_reason=delta.finish_reason,
+                )
+                yield out.sse_event(chunk)
+    except Exception as exc:  # the request as a whole failed (the engine died, ...)
+        failure = _client_error(exc)
     if include_usage:
         usage = out.usage(prompt_tokens, completion_tokens)
         yield out.sse_event(out.completion_usage_chunk(response_id, model, created, usage))
+    if failure is not None:
+        yield error_event(failure)
     yield out.SSE_DONE
 
 
 async def prepend(
-    first: ChoiceDelta, rest: AsyncGenerator[ChoiceDelta, None]
+    first: Sequence[ChoiceDelta], rest: AsyncGenerator[ChoiceDelta, None]
 ) -> AsyncGenerator[ChoiceDelta, None]:
-    """``first`` followed by ``rest`` (closing ``rest`` when closed early)."""
+    """The deltas of ``first`` followed by ``rest`` (closing ``rest`` when closed early)."""
     async with aclosing(rest):
-        yield first
+        for delta in first:
+            yield delta
         async for delta in rest:
             yield delta
 

@@ -1,0 +1,278 @@
+"""The two generation endpoints' work once their body is decoded: the prompt (tokenized off
+the event loop), admission, the grammar, the engine's first answer, then the response or the
+stream."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator, Sequence
+from typing import Any
+
+from litestar import Request, Response
+from litestar.response import Stream
+
+from brigade.errors import RequestError
+from brigade.interfaces import SamplingParams
+from brigade.models.tokenizer_loading import render_chat_prompt
+from brigade.server import protocol as proto
+from brigade.server import responses as out
+from brigade.server import streaming
+from brigade.server.errors import (
+    InternalServerError,
+    ProtocolError,
+    ServerOverloadedError,
+    api_error,
+)
+from brigade.server.frontend import ChoiceDelta
+from brigade.server.guards import charge_rate_limit, check_batch_size, check_context
+from brigade.server.state import ServerState, json_response
+
+__all__ = ["chat_completion", "chat_prompt", "completion", "encode_text"]
+
+
+async def chat_completion(
+    state: ServerState, request: Request[Any, Any, Any], body: proto.ChatCompletionRequest
+) -> Response[out.ChatCompletion] | Stream:
+    """Answer a decoded chat request: a ``chat.completion``, or the SSE stream of its chunks."""
+    prompt = await state.run_blocking(chat_prompt, state, body.messages, True, body.tools)
+    params = proto.sampling_params(
+        body,
+        default_max_tokens=max(1, state.max_model_len - len(prompt)),
+        defaults=state.async_engine.engine.sampling_defaults,
+    )
+    _validate(state, prompt, params, prompt_param="messages")
+    if body.max_completion_tokens is not None:
+        check_context(len(prompt), params, state.max_model_len, "max_completion_tokens")
+    elif body.max_tokens is not None:
+        check_context(len(prompt), params, state.max_model_len, "max_tokens")
+    calls_tools = body.tool_choice_spec() is not None
+    _admit(state, request, [prompt], params)
+    await _prepare_grammar(state, params, "tools" if calls_tools else "response_format")
+    response_id = out.new_chat_id()
+    deltas = await _first(
+        state.frontend.generate(response_id, prompt, params, priority=body.priority or 0),
+        prompt_param="messages",
+    )
+    want_logprobs = params.logprobs is not None
+    if body.stream:
+        return _sse(
+            streaming.chat_events(
+                deltas,
+                response_id=response_id,
+                model=state.model_name,
+                created=int(time.time()),
+                tokenizer=state.tokenizer,
+                prompt_tokens=len(prompt),
+                want_logprobs=want_logprobs,
+                include_usage=bool(body.stream_options and body.stream_options.include_usage),
+                tool_calls=calls_tools,
+            )
+        )
+    collected = await streaming.collect(deltas, want_logprobs=want_logprobs)
+    usage = out.usage(len(prompt), sum(c.num_tokens for c in collected))
+    return json_response(
+        out.chat_response(
+            response_id,
+            state.model_name,
+            int(time.time()),
+            collected,
+            usage,
+            tokenizer=state.tokenizer,
+            tool_calls=calls_tools,
+        )
+    )
+
+
+async def completion(
+    state: ServerState, request: Request[Any, Any, Any], body: proto.CompletionRequest
+) -> Response[out.Completion] | Stream:
+    """Answer a decoded completions request (one prompt or a batch): a ``text_completion``,
+    or the SSE stream of its chunks."""
+    texts = body.prompts()
+    check_batch_size(len(texts), state.settings)
+    prompts = await state.run_blocking(_encode_prompts, state, texts)
+    longest = max(len(p) for p in prompts)
+    params = proto.sampling_params(
+        body,
+        default_max_tokens=max(1, state.max_model_len - longest),  # an explicit null
+        defaults=state.async_engine.engine.sampling_defaults,
+    )
+    for index, prompt in enumerate(prompts):
+        _validate(state, prompt, params, prompt_param="prompt", index=index)
+        if body.max_tokens is not None:
+            check_context(len(prompt), params, state.max_model_len, "max_tokens")
+    _admit(state, request, prompts, params)
+    await _prepare_grammar(state, params, "response_format")
+    response_id = out.new_completion_id()
+    priority = body.priority or 0
+    deltas = await _first(
+        streaming.merge(
+            [
+                state.frontend.generate(
+                    f"{response_id}-{i}",
+                    p,
+                    params,
+                    priority=priority,
+                    index_offset=i * params.n,
+                )
+                for i, p in enumerate(prompts)
+            ]
+        ),
+        prompt_param="prompt",
+    )
+    prompt_tokens = sum(len(p) for p in prompts)
+    want_logprobs = params.logprobs is not None
+    if body.stream:
+        return _sse(
+            streaming.completion_events(
+                deltas,
+                response_id=response_id,
+                model=state.model_name,
+                created=int(time.time()),
+                tokenizer=state.tokenizer,
+                prompt_tokens=prompt_tokens,
+                want_logprobs=want_logprobs,
+                include_usage=bool(body.stream_options and body.stream_options.include_usage),
+            )
+        )
+    collected = await streaming.collect(deltas, want_logprobs=want_logprobs)
+    usage = out.usage(prompt_tokens, sum(c.num_tokens for c in collected))
+    return json_response(
+        out.completion_response(
+            response_id,
+            state.model_name,
+            int(time.time()),
+            collected,
+            usage,
+            tokenizer=state.tokenizer,
+        )
+    )
+
+
+def _sse(events: AsyncGenerator[bytes, None]) -> Stream:
+    return Stream(
+        events,
+        status_code=200,
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache"},
+    )
+
+
+def chat_prompt(
+    state: ServerState, messages: Sequence[Any], generation_prompt: bool, tools: Any
+) -> list[int]:
+    """The conversation through the chat template (runs on the tokenizer threads)."""
+    try:
+        return render_chat_prompt(
+            state.tokenizer,
+            proto.template_messages(messages),
+            tools=tools or None,
+            add_generation_prompt=generation_prompt,
+        )
+    except Exception as exc:  # a template may reject a conversation (role order, ...)
+        raise ProtocolError(_template_error(exc), param="messages") from None
+
+
+def _template_error(exc: Exception) -> str:
+    """What the template said, when it said it on purpose (jinja's raise_exception); a
+    template that crashed gets no internals in the answer."""
+    import jinja2
+
+    if isinstance(exc, jinja2.TemplateError) and str(exc):
+        return f"the chat template rejected the messages: {exc}"
+    return (
+        "the chat template could not render these messages (check the roles, their order and "
+        "the tool calls)"
+    )
+
+
+def encode_text(state: ServerState, text: str, add_special_tokens: bool) -> list[int]:
+    return [int(t) for t in state.tokenizer.encode(text, add_special_tokens=add_special_tokens)]
+
+
+def _encode_prompts(state: ServerState, prompts: Sequence[str | list[int]]) -> list[list[int]]:
+    """Token ids of each prompt (text is encoded; runs on the tokenizer threads)."""
+    return [
+        [int(t) for t in state.tokenizer.encode(p)] if isinstance(p, str) else list(p)
+        for p in prompts
+    ]
+
+
+def _validate(
+    state: ServerState,
+    prompt: list[int],
+    params: SamplingParams,
+    *,
+    prompt_param: str,
+    index: int | None = None,
+) -> None:
+    """The engine's admission check, as a 400 naming the field (``prompt_param`` for the
+    prompt; a batch's message names the prompt's index)."""
+    try:
+        state.async_engine.engine.validate(prompt, params)
+    except RequestError as exc:
+        param = prompt_param if exc.param in (None, "prompt") else exc.param
+        message = str(exc) if index is None else f"prompt {index}: {exc}"
+        raise ProtocolError(message, param=param) from None
+
+
+def _admit(
+    state: ServerState,
+    request: Request[Any, Any, Any],
+    prompts: Sequence[list[int]],
+    params: SamplingParams,
+) -> None:
+    """Refuse when stopping or when the queue is full, else charge the rate limiter
+    (prompts + requested tokens)."""
+    if state.shutting_down:
+        raise ServerOverloadedError("The server is shutting down.")
+    state.async_engine.check_capacity(len(prompts))
+    budget = params.max_tokens * params.n * len(prompts)
+    charge_rate_limit(request, state.limiter, state.settings, prompts, budget)
+
+
+async def _prepare_grammar(state: ServerState, params: SamplingParams, param: str) -> None:
+    """Compile the request's grammar before answering (off the engine's step loop): an
+    invalid one is a 400 naming ``param``, before any token is generated."""
+    spec = params.structured_output
+    if spec is None:
+        return
+    engine = state.async_engine.engine
+    started = time.monotonic()
+    try:
+        gate = engine.prepare(params)
+        if gate is not None:
+            await asyncio.wrap_future(gate)
+    except (RequestError, ValueError) as exc:
+        state.metrics.observe_grammar(spec.kind, time.monotonic() - started, valid=False)
+        raise ProtocolError(str(exc), param=param) from None
+    state.metrics.observe_grammar(spec.kind, time.monotonic() - started, valid=True)
+
+
+async def _first(
+    stream: AsyncGenerator[ChoiceDelta, None], *, prompt_param: str
+) -> AsyncGenerator[ChoiceDelta, None]:
+    """Wait for the first output, so a refused request becomes an HTTP error, not a stream.
+
+    When every choice fails before its first token, the request is answered with the first
+    choice's error (400 when the request is invalid, 500 naming the plugin that failed).
+    """
+    failed: list[ChoiceDelta] = []
+    try:
+        while True:
+            delta = await anext(stream)
+            if delta.error is None:
+                break
+            failed.append(delta)
+    except StopAsyncIteration:
+        if failed and failed[0].error is not None:
+            error = api_error(failed[0].error) or InternalServerError()
+            if error.param == "prompt":
+                error.param = prompt_param
+            raise error from None
+        raise InternalServerError("The engine produced no output.") from None
+    except BaseException:
+        await stream.aclose()
+        raise
+    return streaming.prepend([*failed, delta], stream)
