@@ -12,3 +12,5 @@ bash scripts/setup.sh
 .venv/bin/mypy
 (cd examples/plugins/brigade-sjf && ../../../.venv/bin/mypy)
 .venv/bin/python -m pytest "$@"
+# The API fuzzed from its own OpenAPI document, briefly (the full run: scripts/fuzz.sh).
+bash scripts/fuzz.sh --short
