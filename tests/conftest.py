@@ -70,15 +70,20 @@ def hf_model_dir(tmp_path: Path) -> Callable[..., tuple[Any, Path]]:
     ) -> tuple[Any, Path]:
         model = build_hf_model(family, **overrides)
         directory = tmp_path / family
-        if storage_dtype is None:
-            model.save_pretrained(directory)
-            return model, directory
-        # Round to the storage dtype first, so the float32 reference holds the stored values.
-        with torch.no_grad():
-            for param in model.parameters():
-                param.copy_(param.to(storage_dtype))
-        # A copy, so the reference keeps its float32 buffers (RoPE inv_freq) unrounded.
-        copy.deepcopy(model).to(storage_dtype).save_pretrained(directory)
+        save_model(model, directory, storage_dtype)
         return model, directory
 
     return make
+
+
+def save_model(model: Any, directory: Path, storage_dtype: torch.dtype | None = None) -> None:
+    """Save ``model``; with ``storage_dtype``, stored in that dtype and the float32 model
+    rounded to the stored values (so it stays an exact reference)."""
+    if storage_dtype is None:
+        model.save_pretrained(directory)
+        return
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(param.to(storage_dtype))
+    # A copy, so the reference keeps its float32 buffers (RoPE inv_freq) unrounded.
+    copy.deepcopy(model).to(storage_dtype).save_pretrained(directory)

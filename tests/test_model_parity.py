@@ -15,11 +15,12 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import build_hf_model, save_model
 from safetensors import safe_open
 
 from brigade.interfaces import ExecutorParams, NoOptions
 from brigade.model_input import SeqChunk, build_model_input
-from brigade.plugins.attention.sdpa import SdpaBackend
+from brigade.plugins.attention.sdpa import SdpaBackend, SdpaOptions
 from brigade.plugins.executors.torch_executor import TorchExecutor, TorchExecutorOptions
 from brigade.plugins.models.rope import parse_rope_config, rope_cos_sin
 from brigade.testing.parity import assert_greedy_match
@@ -84,33 +85,80 @@ VARIANTS = {
 }
 
 
-@pytest.fixture(params=list(VARIANTS))
-def model_pair(request: pytest.FixtureRequest, hf_model_dir: Callable[..., Any]) -> Any:
-    """(transformers model in fp32, brigade executor on the same checkpoint)."""
-    variant = VARIANTS[request.param]
-    hf_model, directory = hf_model_dir(
-        variant.family, storage_dtype=variant.storage_dtype, **variant.config
-    )
-    if variant.legacy_rope_key:
-        _keep_only_legacy_rope_type(directory)
+MODES: dict[str, dict[str, bool]] = {
+    "eager": {"native_decode": True},
+    "gather": {"native_decode": False},
+}
+"""How decode attention runs: through the C++ kernel that reads pages in place (the CPU
+default), or gathering pages for SDPA (the reference path). The compiled forward is checked
+against the eager one in test_compiled.py."""
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Any, Path]]:
+    """``checkpoints(variant)``: (transformers model in fp32, its saved directory), once."""
+    made: dict[str, tuple[Any, Path]] = {}
+
+    def get(name: str) -> tuple[Any, Path]:
+        if name not in made:
+            variant = VARIANTS[name]
+            hf_model = build_hf_model(variant.family, **variant.config)
+            directory = tmp_path_factory.mktemp(name)
+            save_model(hf_model, directory, variant.storage_dtype)
+            if variant.legacy_rope_key:
+                _keep_only_legacy_rope_type(directory)
+            made[name] = (hf_model, directory)
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def executors(
+    checkpoints: Callable[[str], tuple[Any, Path]],
+) -> Callable[[str, str], TorchExecutor]:
+    """``executors(variant, mode)``: one executor per pair for the module (tests write only
+    pages they read back themselves)."""
+    made: dict[tuple[str, str], TorchExecutor] = {}
+
+    def get(variant: str, mode: str) -> TorchExecutor:
+        if (variant, mode) not in made:
+            made[variant, mode] = make_executor(checkpoints(variant)[1], **MODES[mode])
+        return made[variant, mode]
+
+    return get
+
+
+@pytest.fixture(params=[(v, m) for m in MODES for v in VARIANTS], ids="-".join)
+def model_pair(
+    request: pytest.FixtureRequest,
+    checkpoints: Callable[[str], tuple[Any, Path]],
+    executors: Callable[[str, str], TorchExecutor],
+) -> Any:
+    """(transformers model in fp32, brigade executor on the same checkpoint, in one mode)."""
+    name, mode = request.param
+    variant = VARIANTS[name]
+    hf_model, directory = checkpoints(name)
     stored = safe_open(str(directory / "model.safetensors"), framework="pt")
     if variant.config.get("tie_word_embeddings"):
         assert "lm_head.weight" not in set(stored.keys()), "tied checkpoint should omit lm_head"
     if variant.storage_dtype is not None:
         assert stored.get_tensor("model.norm.weight").dtype == variant.storage_dtype
-    return hf_model, make_executor(directory)
+    return hf_model, executors(name, mode)
 
 
-def make_executor(directory: Path) -> TorchExecutor:
+def make_executor(
+    directory: Path, *, compiled: bool = False, native_decode: bool = True
+) -> TorchExecutor:
     params = ExecutorParams(
         model_path=str(directory),
         dtype="float32",
-        attention=SdpaBackend(NoOptions()),
+        attention=SdpaBackend(SdpaOptions(native_decode=native_decode)),
         page_size=PAGE_SIZE,
         kv_cache_dtype="auto",
         max_model_len=0,
     )
-    executor = TorchExecutor(params, TorchExecutorOptions(device="cpu"))
+    executor = TorchExecutor(params, TorchExecutorOptions(device="cpu", compile=compiled))
     executor.initialize_kv_cache(NUM_PAGES)
     return executor
 

@@ -3,6 +3,11 @@
 Decode rows (one query each) run as one batched call in which each KV head's query heads
 stand in for the query-length axis, so K/V are never repeated per query head. Prefill chunks
 run one call each, with SDPA's grouped-query support.
+
+On a CPU, decode rows instead go through Brigade's C++ kernel (``native_decode``, the
+default): it reads each row's pages in place up to that row's own length, where the gather
+copies every row's pages up to the longest row's. Its build is cached; where it cannot be
+built, decode takes the gather path above.
 """
 
 from __future__ import annotations
@@ -13,9 +18,9 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
-from brigade.interfaces import AttentionBackend, AttentionLayer, ModelInput, NoOptions
+from brigade.interfaces import AttentionBackend, AttentionLayer, ModelInput, NoOptions, option
 
-__all__ = ["SdpaBackend", "SdpaMetadata"]
+__all__ = ["SdpaBackend", "SdpaMetadata", "SdpaOptions"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -135,14 +140,38 @@ class SdpaMetadata:
         return _PrefillRow(query_start, query_end, slots, mask)
 
 
+@dataclasses.dataclass(frozen=True)
+class SdpaOptions:
+    """Options of the ``sdpa`` backend."""
+
+    native_decode: bool = option(
+        True,
+        help="on a CPU, decode rows read the paged KV in place with Brigade's C++ kernel "
+        "(built once and cached) instead of gathering pages for SDPA",
+    )
+
+
 class SdpaBackend(AttentionBackend):
     """Paged attention on torch's ``scaled_dot_product_attention``; any device, any page size."""
 
     name: ClassVar[str] = "sdpa"
     supports_sliding_window: ClassVar[bool] = True
 
-    def __init__(self, options: NoOptions | None = None) -> None:
-        self.options = options if options is not None else NoOptions()
+    def __init__(self, options: SdpaOptions | NoOptions | None = None) -> None:
+        self.options = options if options is not None else SdpaOptions()
+        # NoOptions (tests, other backends' fallbacks) means the defaults.
+        self._native = not isinstance(options, SdpaOptions) or options.native_decode
+        self._kernel: Any = None
+        """The C++ decode kernel once resolved (False: unavailable here)."""
+
+    def _decode_kernel(self, device: torch.device) -> Any:
+        if device.type != "cpu" or not self._native:
+            return None
+        if self._kernel is None:
+            from brigade.plugins.attention.cpu_kernels import paged_decode_kernel
+
+            self._kernel = paged_decode_kernel() or False
+        return self._kernel or None
 
     def build_metadata(self, batch: ModelInput) -> SdpaMetadata:
         """Host maxima and per-chunk bounds from the ``*_cpu`` copies; no device sync."""
@@ -181,7 +210,19 @@ class SdpaBackend(AttentionBackend):
         value_cache.index_copy_(0, meta.slot_mapping, value.to(value_cache.dtype))
 
         output = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
-        if meta.num_decodes:
+        kernel = self._decode_kernel(query.device) if meta.num_decodes else None
+        if kernel is not None:
+            decodes = meta.num_decodes
+            output[:decodes] = kernel(
+                query[:decodes].float().contiguous(),  # [D, heads, head_dim]
+                kv_cache[0],
+                kv_cache[1],
+                meta.block_tables[:decodes],
+                meta.seq_lens[:decodes],
+                layer.sliding_window or 0,
+                layer.scale,
+            )
+        elif meta.num_decodes:
             view = meta.decode_view(layer.sliding_window)
             output[: meta.num_decodes] = _decode(
                 layer, query[: meta.num_decodes], kv_cache[0], kv_cache[1], view

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
+import time
 from collections.abc import Callable, Sequence
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -20,9 +22,13 @@ from brigade.interfaces import (
     ModelInput,
     option,
 )
-from brigade.model_input import model_input_to
+from brigade.model_input import SeqChunk, build_model_input, model_input_to
 from brigade.models.checkpoint import open_checkpoint
 from brigade.models.loader import DTYPES, resolve_dtype
+from brigade.plugins.executors.piecewise import SplitModel
+
+if TYPE_CHECKING:
+    from brigade.plugins.executors.compiled_forward import CompiledForward
 
 __all__ = [
     "DEVICE_PATTERN",
@@ -31,6 +37,8 @@ __all__ = [
     "available_memory_bytes",
     "resolve_device",
 ]
+
+logger = logging.getLogger(__name__)
 
 DEVICE_PATTERN = r"auto|cpu|cuda(:\d+)?"
 
@@ -45,6 +53,15 @@ class TorchExecutorOptions:
         pattern=DEVICE_PATTERN,
     )
     num_threads: int = option(0, help="torch CPU threads; 0 = leave torch's default", ge=0)
+    compile: bool = option(
+        False,
+        help="on a CPU, run the forward under torch.compile (inductor fuses the work between "
+        "attention calls and prepacks the weights); compiling takes about 100 s for a "
+        "30-layer model on 2 cores at the first start (later starts reuse "
+        "$BRIGADE_CACHE_DIR/inductor), and a failed compile falls back to eager with a "
+        "warning. Off by default: on the CPUs measured so far it did not pay "
+        "(docs/benchmarks.md). Ignored on CUDA (the cuda-graph executor has its own)",
+    )
 
 
 def resolve_device(name: str) -> torch.device:
@@ -108,6 +125,13 @@ class TorchExecutor(Executor):
             self.model.eval()
         self.forward_fn: Callable[..., torch.Tensor] = self.model.forward
         """The model's forward (a subclass may swap in a compiled one)."""
+        self.compiled: CompiledForward | None = None
+        """The compiled forward on a CPU (``compile`` option), else None."""
+        if options.compile and self.device.type == "cpu" and isinstance(self.model, SplitModel):
+            from brigade.plugins.executors.compiled_forward import CompiledForward
+
+            self.compiled = CompiledForward(self.model, len(self.model.attention_layers))
+            self.forward_fn = self.compiled
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._unzeroed: torch.Tensor | None = None
         """CPU pools: [num_pages] bool, True for pages not yet zeroed."""
@@ -160,6 +184,8 @@ class TorchExecutor(Executor):
             )
         self._unzeroed = torch.ones(num_pages, dtype=torch.bool) if lazy else None
         self.num_pages = num_pages
+        if self.device.type == "cpu":
+            self._warm_up()
         pin = self.device.type == "cuda"
         for index in range(len(self.model.attention_layers) if num_host_pages else 0):
             shape = self._layer_shape(num_host_pages, index)
@@ -169,6 +195,25 @@ class TorchExecutor(Executor):
                     torch.empty(shape, dtype=self.kv_cache_dtype, pin_memory=pin),
                 )
             )
+
+    def _warm_up(self) -> None:
+        """Do the one-time work of the first steps now, at start, not in the first request:
+        a 2-token prefill and a 1-token decode step (building the CPU attention kernel,
+        packing the LM head, compiling the forward when ``compile`` is on) in page 0, which
+        is left marked unzeroed, so the garbage they write never reaches a request."""
+        page_size = self.params.page_size
+        table = [0] * -(-2 // page_size)
+        batches = (
+            build_model_input([SeqChunk([0, 0], 0, table)], page_size),
+            build_model_input([SeqChunk([0], 1, table)], page_size),
+        )
+        started = time.perf_counter()
+        for batch in batches:
+            self.execute(batch)
+        if self._unzeroed is not None:
+            self._unzeroed[0] = True
+        if self.compiled is not None and self.compiled.failed is None:
+            logger.info("compiled the forward in %.1f s", time.perf_counter() - started)
 
     def execute(self, batch: ModelInput) -> torch.Tensor:
         """Float32 logits [len(batch.logits_indices), vocab_size], on this executor's device."""

@@ -1,0 +1,190 @@
+"""Where one engine step's time goes: a decode step at batch 32 and a 512-token prefill.
+
+Runs the real engine (scheduler, persistent batch, executor, sampler) on the default model
+(SmolLM2-135M-Instruct) or a random Llama, profiles a few steps with ``torch.profiler`` and
+prints each step's wall time split into GEMMs, attention, other tensor ops, the sampler and
+what no tensor op accounts for (Python, batch preparation, scheduling), then the top ops.
+
+    python benchmarks/step_profile.py                       # SmolLM2, fp32, 2 threads
+    python benchmarks/step_profile.py --model small          # the random Llama "small"
+    python benchmarks/step_profile.py --set executor.compile=false
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import random
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from brigade import LLM, SamplingParams
+
+CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("gemm", ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm", "mkldnn")),
+    (
+        "attention",
+        ("scaled_dot_product", "attention", "index_select", "index_copy", "aten::gather"),
+    ),
+    ("sampler", ("sample", "softmax", "argmax", "aten::max", "topk", "exponential", "uniform")),
+)
+"""Op-name fragments -> category (first match wins); everything else is "other ops"."""
+
+
+def cpu_flags() -> str:
+    """The CPU model and its vector extensions (figures only compare within one machine)."""
+    model, flags = "unknown CPU", set()
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
+            for line in info:
+                if line.startswith("model name") and model == "unknown CPU":
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+    return f"{model} [{' '.join(f for f in wanted if f in flags) or 'no AVX2'}]"
+
+
+def make_llm(model: str, settings: Sequence[str]) -> LLM:
+    path = "default" if model == "smollm2" else _random_model(model)
+    return LLM(
+        overrides=[
+            f"model.path={path}",
+            "model.dtype=float32",
+            "kv.num_pages=4096",
+            "kv.enable_prefix_caching=false",
+            *settings,
+        ]
+    )
+
+
+def _random_model(size: str) -> str:
+    import os
+    from pathlib import Path
+
+    from brigade.models.create import create_model
+
+    root = Path(os.environ.get("BRIGADE_CACHE_DIR", Path.home() / ".cache" / "brigade"))
+    path = root / "bench" / f"llama-{size}"
+    if not (path / "model.safetensors").exists():
+        create_model(path, "llama", size)
+    return str(path)
+
+
+def decode_steps(llm: LLM, batch: int, prompt_len: int, steps: int) -> Callable[[], None]:
+    """Queue ``batch`` requests, run their prefills; return a function doing one decode step."""
+    engine = llm.engine
+    rng = random.Random(0)
+    params = SamplingParams(max_tokens=prompt_len + 4 * steps, temperature=0.0, ignore_eos=True)
+    for index in range(batch):
+        prompt = [rng.randrange(10, engine.vocab_size) for _ in range(prompt_len)]
+        engine.add_request(f"decode-{index}", prompt, params)
+    while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.requests.values()):
+        engine.step()
+    return lambda: _step(llm)
+
+
+def _step(llm: LLM) -> None:
+    with record_function("engine.step"):
+        llm.engine.step()
+
+
+def profile_steps(step: Callable[[], None], repeats: int) -> tuple[float, Any]:
+    """Mean wall ms of ``repeats`` calls after two warm-ups, and the profile of those calls."""
+    step()
+    step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        started = time.perf_counter()
+        for _ in range(repeats):
+            step()
+        wall_ms = (time.perf_counter() - started) * 1e3 / repeats
+    return wall_ms, prof
+
+
+def breakdown(prof: Any, wall_ms: float, repeats: int) -> list[tuple[str, float]]:
+    """(category, ms per step) by self CPU time, plus the time no op accounts for."""
+    totals: dict[str, float] = collections.defaultdict(float)
+    for event in prof.key_averages():
+        if event.key == "engine.step":
+            continue
+        name = event.key.lower()
+        category = next(
+            (label for label, parts in CATEGORIES if any(p in name for p in parts)), "other ops"
+        )
+        totals[category] += event.self_cpu_time_total / 1e3 / repeats
+    accounted = sum(totals.values())
+    rows = [(label, totals.get(label, 0.0)) for label in ("gemm", "attention", "other ops")]
+    rows.append(("sampler", totals.get("sampler", 0.0)))
+    rows.append(("python, batch prep, scheduler (untimed by ops)", max(0.0, wall_ms - accounted)))
+    return rows
+
+
+def report(title: str, wall_ms: float, prof: Any, repeats: int, top: int) -> None:
+    print(f"\n== {title}: {wall_ms:.1f} ms per step")
+    for label, ms in breakdown(prof, wall_ms, repeats):
+        print(f"  {label:<48} {ms:8.2f} ms  {100 * ms / wall_ms:5.1f}%")
+    print(f"  top {top} ops by self CPU time (ms per step):")
+    events = sorted(
+        (e for e in prof.key_averages() if e.key != "engine.step"),
+        key=lambda e: e.self_cpu_time_total,
+        reverse=True,
+    )
+    for event in events[:top]:
+        print(
+            f"    {event.key[:60]:<60} {event.self_cpu_time_total / 1e3 / repeats:8.2f}"
+            f"  x{event.count // repeats}"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2", choices=("smollm2", "tiny", "small"))
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--context", type=int, default=128, help="decode rows' prompt length")
+    parser.add_argument("--prefill", type=int, default=512, help="prefill length")
+    parser.add_argument("--repeats", type=int, default=8)
+    parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--set", action="append", default=[], help="brigade config override")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"{cpu_flags()}; torch {torch.__version__}, {args.threads} threads, fp32")
+    llm = make_llm(args.model, args.set)
+    print(f"model {llm.engine.checkpoint.name}; settings {args.set or 'defaults'}")
+
+    step = decode_steps(llm, args.batch, args.context, args.repeats + 2)
+    wall_ms, prof = profile_steps(step, args.repeats)
+    report(
+        f"decode step, batch {args.batch} x context {args.context}",
+        wall_ms,
+        prof,
+        args.repeats,
+        args.top,
+    )
+    print(f"  = {1e3 * args.batch / wall_ms:.0f} tok/s at this batch")
+    for request_id in list(llm.engine.requests):
+        llm.engine.abort_request(request_id)
+
+    rng = random.Random(1)
+    engine = llm.engine
+    counter = iter(range(10**6))
+
+    def prefill() -> None:
+        prompt = [rng.randrange(10, engine.vocab_size) for _ in range(args.prefill)]
+        engine.add_request(
+            f"prefill-{next(counter)}", prompt, SamplingParams(max_tokens=1, temperature=0.0)
+        )
+        _step(llm)
+
+    wall_ms, prof = profile_steps(prefill, max(2, args.repeats // 2))
+    report(f"prefill of {args.prefill} tokens", wall_ms, prof, max(2, args.repeats // 2), args.top)
+
+
+if __name__ == "__main__":
+    main()

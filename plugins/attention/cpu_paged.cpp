@@ -1,0 +1,191 @@
+// Decode attention over the paged KV cache on a CPU, reading each row's pages in place.
+//
+// For every (row, KV head) pair (OpenMP over the pairs), the row's query heads of that KV head
+// score the row's keys, page by page, up to the row's own length (and, with a sliding window,
+// from its start); a softmax in float32 turns scores into weights; the weighted values are
+// summed. Nothing is gathered into a dense copy and no row reads past its own length, so a
+// batch of mixed lengths costs what its rows' tokens cost.
+//
+// Layouts (contiguous): query [rows, heads, head_dim] float32; key_cache and value_cache
+// [pages, page_size, kv_heads, head_dim] float32 or bfloat16; block_tables [rows, max_pages]
+// int64; seq_lens [rows] int64; out [rows, heads, head_dim] float32.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline float to_float(float value) { return value; }
+inline float to_float(c10::BFloat16 value) { return static_cast<float>(value); }
+
+// exp(x) for x <= 0 (softmax after subtracting the maximum), vectorizable: 2^n * p(r) with
+// r = x - n ln2 in [-ln2/2, ln2/2] and a degree-6 polynomial (relative error < 2e-7).
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// Scores of `group` query heads against one key vector: out[g * stride] = q_g . key * scale.
+template <typename Cache>
+inline void score_key(const float* q, const Cache* key, float* out, int64_t stride, int64_t group,
+                      int64_t head_dim, float scale) {
+  for (int64_t g = 0; g < group; ++g) {
+    const float* qg = q + g * head_dim;
+    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t e = 0; e < head_dim; ++e) dot += qg[e] * to_float(key[e]);
+    out[g * stride] = dot * scale;
+  }
+}
+
+template <typename Cache>
+inline void add_value(const float* weights, const Cache* value, float* accumulator,
+                      int64_t stride, int64_t group, int64_t head_dim) {
+  for (int64_t g = 0; g < group; ++g) {
+    const float weight = weights[g * stride];
+    float* acc = accumulator + g * head_dim;
+#pragma omp simd
+    for (int64_t e = 0; e < head_dim; ++e) acc[e] += weight * to_float(value[e]);
+  }
+}
+
+template <typename Cache>
+void decode_rows(const float* query, const Cache* key_cache, const Cache* value_cache,
+                 const int64_t* block_tables, const int64_t* seq_lens, float* out,
+                 int64_t num_rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                 int64_t page_size, int64_t max_pages, int64_t window, float scale) {
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t token_stride = num_kv_heads * head_dim;  // between slots of one page
+  const int64_t page_stride = page_size * token_stride;
+  int64_t longest = 0;
+  for (int64_t row = 0; row < num_rows; ++row) longest = std::max(longest, seq_lens[row]);
+  at::parallel_for(0, num_rows * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(group * std::max<int64_t>(longest, 1));
+    std::vector<float> accumulator(group * head_dim);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t row = item / num_kv_heads;
+      const int64_t kv_head = item % num_kv_heads;
+      const int64_t length = seq_lens[row];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, length - window) : 0;
+      const int64_t count = length - first;
+      const int64_t* pages = block_tables + row * max_pages;
+      const float* q = query + (row * num_heads + kv_head * group) * head_dim;
+      float* o = out + (row * num_heads + kv_head * group) * head_dim;
+      if (count <= 0) {  // nothing to attend to (not a decode row): zeros, never garbage
+        std::fill(o, o + group * head_dim, 0.0f);
+        continue;
+      }
+      float* s = scores.data();
+      const int64_t last_page = (length - 1) / page_size;
+      // Pass 1: scores [group, count] (column t of head g at s[g * count + t]).
+      for (int64_t t = 0; t < count; ++t) {
+        const int64_t position = first + t;
+        const int64_t page = position / page_size;
+        if (position % page_size == 0 && page < last_page) {
+          // Pages are scattered, so the hardware cannot see the next one coming: start its
+          // first cache lines of both K and V now.
+          const int64_t next = pages[page + 1] * page_stride + kv_head * head_dim;
+          for (int64_t slot = 0; slot < page_size; slot += 4) {
+            __builtin_prefetch(key_cache + next + slot * token_stride);
+            __builtin_prefetch(value_cache + next + slot * token_stride);
+          }
+        }
+        const Cache* key = key_cache + pages[page] * page_stride +
+                           (position % page_size) * token_stride + kv_head * head_dim;
+        score_key(q, key, s + t, count, group, head_dim, scale);
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* sg = s + g * count;
+        float maximum = sg[0];
+        for (int64_t t = 1; t < count; ++t) maximum = std::max(maximum, sg[t]);
+        float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+        for (int64_t t = 0; t < count; ++t) {
+          sg[t] = exp_nonpositive(sg[t] - maximum);
+          total += sg[t];
+        }
+        const float inverse = 1.0f / total;
+#pragma omp simd
+        for (int64_t t = 0; t < count; ++t) sg[t] *= inverse;
+      }
+      // Pass 2: the weighted sum of the values.
+      std::fill(accumulator.begin(), accumulator.end(), 0.0f);
+      for (int64_t t = 0; t < count; ++t) {
+        const int64_t position = first + t;
+        const Cache* value = value_cache + pages[position / page_size] * page_stride +
+                             (position % page_size) * token_stride + kv_head * head_dim;
+        add_value(s + t, value, accumulator.data(), count, group, head_dim);
+      }
+      std::copy(accumulator.begin(), accumulator.end(), o);
+    }
+  });
+}
+
+}  // namespace
+
+at::Tensor paged_decode(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
+                           at::Tensor block_tables, at::Tensor seq_lens, int64_t window,
+                           double scale) {
+  TORCH_CHECK(query.dim() == 3 && query.scalar_type() == at::kFloat && query.is_contiguous(),
+              "query must be a contiguous float32 [rows, heads, head_dim] tensor");
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous() &&
+                  key_cache.sizes() == value_cache.sizes() &&
+                  key_cache.scalar_type() == value_cache.scalar_type(),
+              "key_cache and value_cache must be contiguous [pages, page_size, kv_heads, "
+              "head_dim] tensors of one dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() &&
+                  seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous(),
+              "block_tables and seq_lens must be contiguous int64 tensors");
+  const int64_t num_rows = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t page_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
+  TORCH_CHECK(key_cache.size(3) == head_dim && num_heads % num_kv_heads == 0,
+              "query and cache head sizes disagree");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) >= num_rows &&
+                  seq_lens.size(0) >= num_rows,
+              "block_tables and seq_lens need a row per query row");
+  const int64_t capacity = block_tables.size(1) * page_size;
+  for (int64_t row = 0; row < num_rows; ++row) {
+    const int64_t length = seq_lens.data_ptr<int64_t>()[row];
+    TORCH_CHECK(length >= 0 && length <= capacity, "row ", row, " has ", length,
+                " tokens but its block table holds ", capacity);
+  }
+  auto out = at::empty_like(query);
+  const auto common = [&](auto* keys, auto* values) {
+    decode_rows(query.data_ptr<float>(), keys, values, block_tables.data_ptr<int64_t>(),
+                seq_lens.data_ptr<int64_t>(), out.data_ptr<float>(), num_rows, num_heads,
+                num_kv_heads, head_dim, page_size, block_tables.size(1), window,
+                static_cast<float>(scale));
+  };
+  if (key_cache.scalar_type() == at::kFloat) {
+    common(key_cache.data_ptr<float>(), value_cache.data_ptr<float>());
+  } else if (key_cache.scalar_type() == at::kBFloat16) {
+    common(key_cache.data_ptr<c10::BFloat16>(), value_cache.data_ptr<c10::BFloat16>());
+  } else {
+    TORCH_CHECK(false, "the KV cache must be float32 or bfloat16");
+  }
+  return out;
+}
+
+// torch.ops.brigade_cpu.paged_decode (no pybind11: the build needs only ATen's headers).
+TORCH_LIBRARY(brigade_cpu, m) { m.def("paged_decode", &paged_decode); }

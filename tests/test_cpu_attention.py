@@ -1,0 +1,109 @@
+"""Brigade's C++ decode attention for CPUs against a plain softmax over each row's own keys."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from brigade.plugins.attention import cpu_kernels
+from brigade.plugins.attention.cpu_kernels import paged_decode_kernel
+
+
+def _paged_case(
+    lengths: list[int], *, heads: int, kv_heads: int, head_dim: int, page_size: int, seed: int
+) -> tuple[torch.Tensor, ...]:
+    generator = torch.Generator().manual_seed(seed)
+    max_pages = max(-(-n // page_size) for n in lengths) + 1  # a spare column, never read
+    num_pages = len(lengths) * max_pages + 3
+    key_cache = torch.randn(num_pages, page_size, kv_heads, head_dim, generator=generator)
+    value_cache = torch.randn(num_pages, page_size, kv_heads, head_dim, generator=generator)
+    # Each row's pages scattered over the pool, padded with page ids nobody should read.
+    order = torch.randperm(num_pages, generator=generator)
+    block_tables = order[: len(lengths) * max_pages].view(len(lengths), max_pages).clone()
+    query = torch.randn(len(lengths), heads, head_dim, generator=generator)
+    return query, key_cache, value_cache, block_tables, torch.tensor(lengths)
+
+
+def _reference(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    window: int,
+    scale: float,
+) -> torch.Tensor:
+    page_size = key_cache.shape[1]
+    group = query.shape[1] // key_cache.shape[2]
+    out = torch.zeros_like(query)
+    for row, length in enumerate(seq_lens.tolist()):
+        first = max(0, length - window) if window else 0
+        positions = torch.arange(first, length)
+        pages = block_tables[row, positions // page_size]
+        keys = key_cache[pages, positions % page_size].float()  # [n, kv_heads, head_dim]
+        values = value_cache[pages, positions % page_size].float()
+        keys = keys.repeat_interleave(group, dim=1)  # [n, heads, head_dim]
+        values = values.repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,nhd->hn", query[row], keys) * scale
+        out[row] = torch.einsum("hn,nhd->hd", scores.softmax(dim=-1), values)
+    return out
+
+
+@pytest.fixture(scope="module")
+def kernel() -> object:
+    built = paged_decode_kernel()
+    assert built is not None, "the CPU attention kernel failed to build (see the log)"
+    return built
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "page_size", "window", "dtype"),
+    [
+        (9, 3, 16, 0, torch.float32),  # SmolLM2's grouping
+        (4, 4, 1, 0, torch.float32),  # no grouping, one token per page
+        (8, 2, 4, 5, torch.float32),  # sliding window shorter than most rows
+        (8, 2, 16, 0, torch.bfloat16),  # a bfloat16 cache
+    ],
+)
+def test_paged_decode_equals_softmax_over_each_rows_own_keys(
+    kernel: object, heads: int, kv_heads: int, page_size: int, window: int, dtype: torch.dtype
+) -> None:
+    lengths = [1, 7, 16, 17, 130, 3]  # mixed: one page, page edges, many pages
+    query, keys, values, tables, seq_lens = _paged_case(
+        lengths, heads=heads, kv_heads=kv_heads, head_dim=64, page_size=page_size, seed=heads
+    )
+    keys, values = keys.to(dtype), values.to(dtype)
+    scale = 64**-0.5
+    out = kernel(query, keys, values, tables, seq_lens, window, scale)  # type: ignore[operator]
+    expected = _reference(query, keys, values, tables, seq_lens, window, scale)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
+
+
+def test_a_row_longer_than_its_block_table_is_refused(kernel: object) -> None:
+    query, keys, values, tables, _ = _paged_case(
+        [5, 9], heads=2, kv_heads=1, head_dim=8, page_size=4, seed=0
+    )
+    too_long = torch.tensor([5, tables.shape[1] * 4 + 1])
+    with pytest.raises(RuntimeError, match="row 1 has 17 tokens but its block table holds 16"):
+        kernel(query, keys, values, tables, too_long, 0, 1.0)  # type: ignore[operator]
+
+
+def test_a_kernel_that_cannot_be_built_is_reported_once_and_none_returned(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def no_compiler() -> object:
+        raise RuntimeError("Error building extension: c++: command not found")
+
+    monkeypatch.setattr(cpu_kernels, "_build", no_compiler)
+    paged_decode_kernel.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert paged_decode_kernel() is None
+            assert paged_decode_kernel() is None
+    finally:
+        paged_decode_kernel.cache_clear()  # later tests build (or load) the real one
+    warnings = [r for r in caplog.records if "could not be built" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "c++: command not found" in warnings[0].getMessage()
