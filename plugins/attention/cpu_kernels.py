@@ -17,7 +17,6 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -45,7 +44,7 @@ def _cache_dir() -> Path:
     return Path(root) / "extensions" / f"cpu_paged-{key}"
 
 
-def _build() -> Any:
+def _build() -> Callable[..., torch.Tensor]:
     from torch.utils.cpp_extension import load
 
     directory = _cache_dir()
@@ -81,4 +80,4 @@ def paged_decode_kernel() -> Callable[..., torch.Tensor] | None:
                 lines[-1] if lines else repr(error),
             )
             return None
-    return kernel  # type: ignore[no-any-return]
+    return kernel

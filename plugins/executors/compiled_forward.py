@@ -18,7 +18,7 @@ import contextvars
 import dataclasses
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -79,7 +79,14 @@ class CompiledForward:
     on (:attr:`failed` holds why).
     """
 
-    def __init__(self, model: SplitModel, num_layers: int, *, freezing: bool = True) -> None:
+    def __init__(
+        self,
+        model: SplitModel,
+        num_layers: int,
+        *,
+        eager: Callable[..., torch.Tensor],
+        freezing: bool = True,
+    ) -> None:
         _persistent_cache()
         # Dynamo keys compiled code on the function's code object, which every instance
         # shares, and stops compiling past a few recompiles (each instance guards on its own
@@ -87,8 +94,10 @@ class CompiledForward:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
         self.model = model
         self.num_layers = num_layers
+        self.eager = eager
+        """The model's own forward: what runs after compiling failed."""
         self.failed: BaseException | None = None
-        options = {"freezing": freezing}
+        options: dict[str, str | int | bool | Callable[..., Any]] = {"freezing": freezing}
         self._compiled = torch.compile(self._forward, dynamic=True, fullgraph=True, options=options)
 
     def _forward(
@@ -122,7 +131,7 @@ class CompiledForward:
                 self._give_up(error)
             finally:
                 _STEP.reset(token)
-        return self.model.forward(input_ids, positions, kv_caches, metadata)
+        return self.eager(input_ids, positions, kv_caches, metadata)
 
     def _give_up(self, error: Exception) -> None:
         """Fall back to eager for good on a compilation error; re-raise anything else."""

@@ -127,10 +127,11 @@ class TorchExecutor(Executor):
         """The model's forward (a subclass may swap in a compiled one)."""
         self.compiled: CompiledForward | None = None
         """The compiled forward on a CPU (``compile`` option), else None."""
+        num_layers = len(self.model.attention_layers)
         if options.compile and self.device.type == "cpu" and isinstance(self.model, SplitModel):
             from brigade.plugins.executors.compiled_forward import CompiledForward
 
-            self.compiled = CompiledForward(self.model, len(self.model.attention_layers))
+            self.compiled = CompiledForward(self.model, num_layers, eager=self.forward_fn)
             self.forward_fn = self.compiled
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._unzeroed: torch.Tensor | None = None
