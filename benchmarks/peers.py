@@ -598,6 +598,11 @@ def run_engines(
                     if got and "error" not in got:
                         found.results[workload][name] = got
                         found.others_cpu_share[workload][name] = result["others_cpu_share"]
+                        # Now, not only in the report: a run cut short keeps what it measured.
+                        shown = ", ".join(
+                            f"{k} {v:.2f}" for k, v in figures(workloads[workload], got).items()
+                        )
+                        print(f"  {name} {workload}: {shown}", file=sys.stderr, flush=True)
                     else:
                         reason = (got or {}).get("error") or error or "no result"
                         found.errors[workload][name] = reason.strip()

@@ -7,7 +7,7 @@ what no tensor op accounts for (Python, batch preparation, scheduling), then the
 
     python benchmarks/step_profile.py                       # SmolLM2, fp32, 2 threads
     python benchmarks/step_profile.py --model small          # the random Llama "small"
-    python benchmarks/step_profile.py --set executor.compile=false
+    python benchmarks/step_profile.py --set attention.native_decode=false
 """
 
 from __future__ import annotations
@@ -28,7 +28,14 @@ CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("gemm", ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm", "mkldnn")),
     (
         "attention",
-        ("scaled_dot_product", "attention", "index_select", "index_copy", "aten::gather"),
+        (
+            "scaled_dot_product",
+            "attention",
+            "paged_decode",
+            "index_select",
+            "index_copy",
+            "aten::gather",
+        ),
     ),
     ("sampler", ("sample", "softmax", "argmax", "aten::max", "topk", "exponential", "uniform")),
 )
