@@ -32,6 +32,7 @@ from transformers import (
     Qwen3Config,
 )
 
+from brigade.cache import cache_root
 from brigade.models.tokenizer import CORPUS_PATH, MAX_VOCAB_SIZE, TokenizerKind, tokenizer_kind
 
 __all__ = [
@@ -305,12 +306,6 @@ def _init_weights(
     return tensors
 
 
-def _cache_root() -> pathlib.Path:
-    """Return ``$BRIGADE_CACHE_DIR`` or ``~/.cache/brigade``."""
-    env = os.environ.get("BRIGADE_CACHE_DIR")
-    return pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".cache" / "brigade"
-
-
 def _is_complete(path: pathlib.Path) -> bool:
     names = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
     return all((path / name).is_file() for name in names)
@@ -332,7 +327,7 @@ def default_model_dir() -> pathlib.Path:
     renamed into place, so readers never see a half-written model and concurrent builders
     simply let the first rename win.
     """
-    target = _cache_root() / "models" / default_model_name()
+    target = cache_root() / "models" / default_model_name()
     if _is_complete(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -12,13 +12,14 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from brigade.cache import cache_root
 
 __all__ = ["paged_decode_kernel"]
 
@@ -29,9 +30,6 @@ _LOCK = threading.Lock()
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("BRIGADE_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "brigade"
-    )
     flags = ""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
@@ -41,7 +39,7 @@ def _cache_dir() -> Path:
     key = hashlib.sha256(
         _SOURCE.read_bytes() + torch.__version__.encode() + flags.encode()
     ).hexdigest()[:16]
-    return Path(root) / "extensions" / f"cpu_paged-{key}"
+    return cache_root() / "extensions" / f"cpu_paged-{key}"
 
 
 def _build() -> Callable[..., torch.Tensor]:

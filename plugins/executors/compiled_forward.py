@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch._dynamo
 
+from brigade.cache import cache_root
 from brigade.plugins.executors.piecewise import SplitModel
 
 __all__ = ["CompiledForward"]
@@ -155,7 +156,4 @@ def _persistent_cache() -> None:
     """Keep inductor's caches beside Brigade's (``$BRIGADE_CACHE_DIR/inductor``) rather than
     in /tmp, so a restart reuses the compiled kernels; a user's TORCHINDUCTOR_CACHE_DIR wins."""
     if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-        root = os.environ.get("BRIGADE_CACHE_DIR") or os.path.join(
-            os.path.expanduser("~"), ".cache", "brigade"
-        )
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, "inductor")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_root() / "inductor")
