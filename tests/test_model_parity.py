@@ -85,13 +85,15 @@ VARIANTS = {
 }
 
 
-MODES: dict[str, dict[str, bool]] = {
-    "eager": {"native_decode": True},
-    "gather": {"native_decode": False},
+MODES: dict[str, dict[str, Any]] = {
+    "eager": {"native_decode": True, "onednn_min_rows": 2},
+    "gather": {"native_decode": False, "onednn_min_rows": 0},
 }
-"""How decode attention runs: through the C++ kernel that reads pages in place (the CPU
-default), or gathering pages for SDPA (the reference path). The compiled forward is checked
-against the eager one in test_compiled.py."""
+"""How the CPU forward runs: the default fast path (decode attention in the C++ kernel that
+reads pages in place, linear layers through oneDNN on packed weights; the threshold is lowered
+so every batch but a single decode row takes it), or the reference path (pages gathered for
+SDPA, plain GEMMs). The compiled forward is checked against the eager one in
+test_compiled.py."""
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +150,11 @@ def model_pair(
 
 
 def make_executor(
-    directory: Path, *, compiled: bool = False, native_decode: bool = True
+    directory: Path,
+    *,
+    compiled: bool = False,
+    native_decode: bool = True,
+    onednn_min_rows: int = TorchExecutorOptions.onednn_min_rows,
 ) -> TorchExecutor:
     params = ExecutorParams(
         model_path=str(directory),
@@ -158,7 +164,10 @@ def make_executor(
         kv_cache_dtype="auto",
         max_model_len=0,
     )
-    executor = TorchExecutor(params, TorchExecutorOptions(device="cpu", compile=compiled))
+    executor = TorchExecutor(
+        params,
+        TorchExecutorOptions(device="cpu", compile=compiled, onednn_min_rows=onednn_min_rows),
+    )
     executor.initialize_kv_cache(NUM_PAGES)
     return executor
 

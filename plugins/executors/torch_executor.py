@@ -25,6 +25,7 @@ from brigade.interfaces import (
 from brigade.model_input import SeqChunk, build_model_input, model_input_to
 from brigade.models.checkpoint import open_checkpoint
 from brigade.models.loader import DTYPES, resolve_dtype
+from brigade.plugins.executors.cpu_gemm import pack_linears
 from brigade.plugins.executors.piecewise import SplitModel
 
 if TYPE_CHECKING:
@@ -61,6 +62,14 @@ class TorchExecutorOptions:
         "$BRIGADE_CACHE_DIR/inductor), and a failed compile falls back to eager with a "
         "warning. Off by default: on the CPUs measured so far it did not pay "
         "(docs/benchmarks.md). Ignored on CUDA (the cuda-graph executor has its own)",
+    )
+    onednn_min_rows: int = option(
+        4,
+        help="on a CPU in float32, run the linear layers through oneDNN on a copy of their "
+        "weights packed at start (one more copy of the layer weights in memory) for steps of "
+        "at least this many tokens, and through the plain GEMM below that; 0 = never "
+        "(docs/benchmarks.md has the measurements behind the default). Not used with compile",
+        ge=0,
     )
 
 
@@ -123,6 +132,8 @@ class TorchExecutor(Executor):
         architecture.load_weights(self.model, checkpoint.weights(self.dtype, self.device))
         if isinstance(self.model, torch.nn.Module):
             self.model.eval()
+            if self.device.type == "cpu" and options.onednn_min_rows and not options.compile:
+                pack_linears(self.model, options.onednn_min_rows)
         self.forward_fn: Callable[..., torch.Tensor] = self.model.forward
         """The model's forward (a subclass may swap in a compiled one)."""
         self.compiled: CompiledForward | None = None
