@@ -86,14 +86,14 @@ VARIANTS = {
 
 
 MODES: dict[str, dict[str, Any]] = {
-    "eager": {"native_decode": True, "onednn_min_rows": 2},
-    "gather": {"native_decode": False, "onednn_min_rows": 0},
+    "eager": {"native_decode": True, "onednn_min_rows": 2, "fused": True},
+    "gather": {"native_decode": False, "onednn_min_rows": 0, "fused": False},
 }
 """How the CPU forward runs: the default fast path (decode attention in the C++ kernel that
-reads pages in place, linear layers through oneDNN on packed weights; the threshold is lowered
-so every batch but a single decode row takes it), or the reference path (pages gathered for
-SDPA, plain GEMMs). The compiled forward is checked against the eager one in
-test_compiled.py."""
+reads pages in place, linear layers through oneDNN on packed weights, with the threshold
+lowered so every batch but a single decode row takes it, norms/SiLU-mul/RoPE in the fused C++
+kernels), or the reference path (pages gathered for SDPA, plain GEMMs, torch's operations).
+The compiled forward is checked against the eager one in test_compiled.py."""
 
 
 @pytest.fixture(scope="module")
@@ -155,6 +155,7 @@ def make_executor(
     compiled: bool = False,
     native_decode: bool = True,
     onednn_min_rows: int = TorchExecutorOptions.onednn_min_rows,
+    fused: bool = True,
 ) -> TorchExecutor:
     params = ExecutorParams(
         model_path=str(directory),
@@ -168,6 +169,7 @@ def make_executor(
         params,
         TorchExecutorOptions(device="cpu", compile=compiled, onednn_min_rows=onednn_min_rows),
     )
+    executor.model.fusion.enabled = fused  # type: ignore[attr-defined]
     executor.initialize_kv_cache(NUM_PAGES)
     return executor
 

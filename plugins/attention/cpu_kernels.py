@@ -1,4 +1,7 @@
-"""Brigade's C++ attention kernel for CPUs (``cpu_paged.cpp``), built on first use and cached.
+"""Brigade's C++ kernels for CPUs, built on first use and cached: decode attention over the
+paged KV cache (``cpu_paged.cpp``) and a decoder layer's small fused operations
+(``cpu_fused.cpp``: RMSNorm with and without the residual add, SiLU-mul, RoPE), all in
+``torch.ops.brigade_cpu``.
 
 The build (a few seconds to a minute, once per machine and torch version) goes to
 ``$BRIGADE_CACHE_DIR/extensions/<key>``, where the key covers the source, torch's version and
@@ -16,16 +19,17 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from brigade.cache import cache_root
 
-__all__ = ["paged_decode_kernel"]
+__all__ = ["cpu_ops", "paged_decode_kernel"]
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("cpu_paged.cpp")
+_SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_paged.cpp", "cpu_fused.cpp"))
 _LOCK = threading.Lock()
 
 
@@ -36,13 +40,12 @@ def _cache_dir() -> Path:
             flags = next((line for line in info if line.startswith("flags")), "")
     except OSError:
         pass
-    key = hashlib.sha256(
-        _SOURCE.read_bytes() + torch.__version__.encode() + flags.encode()
-    ).hexdigest()[:16]
+    sources = b"".join(source.read_bytes() for source in _SOURCES)
+    key = hashlib.sha256(sources + torch.__version__.encode() + flags.encode()).hexdigest()[:16]
     return cache_root() / "extensions" / f"cpu_paged-{key}"
 
 
-def _build() -> Callable[..., torch.Tensor]:
+def _build() -> Any:
     from torch.utils.cpp_extension import load
 
     directory = _cache_dir()
@@ -50,7 +53,7 @@ def _build() -> Callable[..., torch.Tensor]:
     started = time.perf_counter()
     load(
         name="brigade_cpu_paged",
-        sources=[str(_SOURCE)],
+        sources=[str(source) for source in _SOURCES],
         build_directory=str(directory),
         extra_cflags=["-O3", "-march=native", "-fopenmp"],
         extra_ldflags=["-fopenmp"],
@@ -59,23 +62,29 @@ def _build() -> Callable[..., torch.Tensor]:
     )
     elapsed = time.perf_counter() - started
     if elapsed > 2:
-        logger.info("built the CPU attention kernel in %.1f s (cached in %s)", elapsed, directory)
-    return torch.ops.brigade_cpu.paged_decode
+        logger.info("built the CPU kernels in %.1f s (cached in %s)", elapsed, directory)
+    return torch.ops.brigade_cpu
 
 
 @functools.cache
-def paged_decode_kernel() -> Callable[..., torch.Tensor] | None:
-    """``paged_decode(query, key_cache, value_cache, block_tables, seq_lens, window, scale)``,
-    or None when the kernel cannot be built here (the reason is logged once)."""
+def cpu_ops() -> Any:
+    """The ``torch.ops.brigade_cpu`` namespace, or None when the kernels cannot be built here
+    (the reason is logged once; callers take their portable paths)."""
     with _LOCK:
         try:
-            kernel = _build()
+            return _build()
         except Exception as error:  # a compiler, ninja or linker failure: stay portable
             lines = str(error).strip().splitlines()
             logger.warning(
-                "the CPU attention kernel could not be built (%s); decode attention gathers "
-                "pages for SDPA instead (slower)",
+                "the CPU kernels could not be built (%s); decode attention gathers pages for "
+                "SDPA and a layer's small operations run unfused instead (slower)",
                 lines[-1] if lines else repr(error),
             )
             return None
-    return kernel
+
+
+def paged_decode_kernel() -> Callable[..., torch.Tensor] | None:
+    """``paged_decode(query, key_cache, value_cache, block_tables, seq_lens, window, scale)``,
+    or None when the kernels cannot be built here."""
+    ops = cpu_ops()
+    return None if ops is None else ops.paged_decode

@@ -10,10 +10,16 @@ as CUDA graphs and attention eagerly (piecewise capture, see
 attention) and ``finish_layer`` (o_proj, residual, MLP, residual), then ``final_norm``. The
 model-level methods only pick the layer; the eager forward calls the same layer methods, so
 both paths run one implementation.
+
+On a CPU in float32 the small operations between the GEMMs (RMSNorm, the residual add before
+the post-attention norm, SiLU-mul, RoPE) run as Brigade's fused C++ kernels
+(``brigade.plugins.attention.cpu_kernels``) when they can be built, and as the torch
+operations transformers uses otherwise (and always elsewhere); :class:`CpuFusion` decides.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -22,10 +28,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from brigade.interfaces import AttentionBackend, AttentionLayer
+from brigade.plugins.attention.cpu_kernels import cpu_ops
 from brigade.plugins.models.config import DecoderConfig
 from brigade.plugins.models.rope import apply_rope, rope_cos_sin
 
-__all__ = ["DecoderForCausalLM", "RMSNorm"]
+__all__ = ["CpuFusion", "DecoderForCausalLM", "RMSNorm"]
 
 _FUSED = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -34,16 +41,41 @@ _FUSED = {
 """Fused module -> the checkpoint modules stacked (in order) along its output rows."""
 
 
+@dataclasses.dataclass
+class CpuFusion:
+    """Whether a model's small operations take the fused CPU kernels; one per model, shared
+    by its modules (``enabled = False`` keeps the torch operations, e.g. as a reference)."""
+
+    enabled: bool = True
+
+    def ops(self, x: torch.Tensor) -> Any:
+        """``torch.ops.brigade_cpu`` for an eager float32 CPU tensor when the kernels are
+        built, else None (other devices and dtypes, and under torch.compile, which fuses)."""
+        if (
+            not self.enabled
+            or x.dtype is not torch.float32
+            or x.device.type != "cpu"
+            or torch.compiler.is_compiling()
+        ):
+            return None
+        return cpu_ops()
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm over the last dimension, computed in float32 like transformers."""
 
-    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+    def __init__(
+        self, size: int, eps: float, dtype: torch.dtype, fusion: CpuFusion | None = None
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(size, dtype=dtype))
         self.eps = eps
+        self.fusion = fusion or CpuFusion(enabled=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., size] -> same shape and dtype."""
+        if x.dim() == 2 and (ops := self.fusion.ops(x)) is not None:
+            return cast("torch.Tensor", ops.rms_norm(x, self.weight, self.eps))
         x32 = x.float()
         variance = x32.pow(2).mean(-1, keepdim=True)
         return self.weight * (x32 * torch.rsqrt(variance + self.eps)).to(x.dtype)
@@ -56,10 +88,12 @@ class DecoderAttention(nn.Module):
         layer: AttentionLayer,
         backend: AttentionBackend,
         dtype: torch.dtype,
+        fusion: CpuFusion,
     ) -> None:
         super().__init__()
         self.layer = layer
         self.backend = backend
+        self.fusion = fusion
         self.split_sizes = (config.q_size, config.kv_size, config.kv_size)
         self.qkv_proj = nn.Linear(
             config.hidden_size, sum(self.split_sizes), bias=config.qkv_bias, dtype=dtype
@@ -85,6 +119,9 @@ class DecoderAttention(nn.Module):
         v = v.reshape(num_tokens, layer.num_kv_heads, layer.head_dim)  # [T, kv_heads, head_dim]
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if (ops := self.fusion.ops(q)) is not None:
+            q, k = ops.rope(q, k, cos, sin)
+            return q, k, v
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def attend(
@@ -100,8 +137,9 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, config: DecoderConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: DecoderConfig, dtype: torch.dtype, fusion: CpuFusion) -> None:
         super().__init__()
+        self.fusion = fusion
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(
             config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias, dtype=dtype
@@ -112,7 +150,10 @@ class DecoderMLP(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [T, hidden_size] -> [T, hidden_size]."""
-        gate, up = self.gate_up_proj(hidden).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(hidden)  # [T, 2 * intermediate_size]: gate, then up
+        if (ops := self.fusion.ops(gate_up)) is not None:
+            return self.down_proj(ops.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -123,12 +164,15 @@ class DecoderLayer(nn.Module):
         layer: AttentionLayer,
         backend: AttentionBackend,
         dtype: torch.dtype,
+        fusion: CpuFusion,
     ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = DecoderAttention(config, layer, backend, dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = DecoderMLP(config, dtype)
+        self.fusion = fusion
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, fusion)
+        self.self_attn = DecoderAttention(config, layer, backend, dtype, fusion)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, fusion)
+        self.mlp = DecoderMLP(config, dtype, fusion)
 
     def attention_input(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -140,8 +184,14 @@ class DecoderLayer(nn.Module):
         """Residual stream [T, hidden_size] and attention output [T, heads, head_dim] ->
         the residual stream after this layer (o_proj, residual, MLP, residual)."""
         # attention: [T, heads, head_dim] -> [T, heads * head_dim]
-        hidden = hidden + self.self_attn.o_proj(attention.reshape(hidden.shape[0], -1))
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        delta = self.self_attn.o_proj(attention.reshape(hidden.shape[0], -1))
+        norm = self.post_attention_layernorm
+        if (ops := self.fusion.ops(hidden)) is not None:
+            hidden, normed = ops.add_rms_norm(hidden, delta, norm.weight, norm.eps)
+        else:
+            hidden = hidden + delta
+            normed = norm(hidden)
+        return hidden + self.mlp(normed)
 
     def forward(
         self,
@@ -169,6 +219,8 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.vocab_size = config.vocab_size
+        self.fusion = CpuFusion()
+        """Whether the small operations take the fused CPU kernels (see :class:`CpuFusion`)."""
         self.attention_layers: Sequence[AttentionLayer] = tuple(
             AttentionLayer(
                 layer_index=index,
@@ -188,11 +240,12 @@ class DecoderForCausalLM(nn.Module):
             _weight=torch.empty(config.vocab_size, config.hidden_size, dtype=dtype),
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(config, layer, backend, dtype) for layer in self.attention_layers
+            DecoderLayer(config, layer, backend, dtype, self.fusion)
+            for layer in self.attention_layers
         )
         self.decoder_layers = cast("tuple[DecoderLayer, ...]", tuple(self.layers))
         """The modules of ``layers``, typed (the ModuleList is what registers them)."""
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, self.fusion)
         self.lm_head = (
             None
             if config.tie_word_embeddings

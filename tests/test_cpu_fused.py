@@ -1,0 +1,114 @@
+"""The fused CPU kernels of a decoder layer's small operations (``cpu_fused.cpp``) against the
+torch operations transformers uses, on contiguous and strided rows, one row and many (the
+parallel path), and the decoder with them on and off."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_model_parity import make_executor
+
+from brigade.model_input import SeqChunk, build_model_input
+from brigade.models.create import create_model
+from brigade.plugins.attention.cpu_kernels import cpu_ops
+from brigade.plugins.models.rope import apply_rope
+
+ROWS = [1, 5, 300]
+
+
+@pytest.fixture(scope="module")
+def ops() -> object:
+    built = cpu_ops()
+    assert built is not None, "the CPU kernels failed to build (see the log)"
+    return built
+
+
+def _reference_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    variance = x.pow(2).mean(-1, keepdim=True)
+    return weight * (x * torch.rsqrt(variance + eps))
+
+
+def _strided(rows: int, width: int, seed: int) -> torch.Tensor:
+    """[rows, width] as a column slice of a wider tensor (rows not contiguous)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, width + 40, generator=generator)[:, 17 : 17 + width]
+
+
+@pytest.mark.parametrize("rows", ROWS)
+def test_rms_norm_and_add_rms_norm_equal_transformers_arithmetic(ops: object, rows: int) -> None:
+    weight = torch.randn(96, generator=torch.Generator().manual_seed(1))
+    x, delta = _strided(rows, 96, 2), _strided(rows, 96, 3) * 4
+    torch.testing.assert_close(ops.rms_norm(x, weight, 1e-6), _reference_norm(x, weight, 1e-6))  # type: ignore[attr-defined]
+    total, normed = ops.add_rms_norm(x, delta, weight, 1e-5)  # type: ignore[attr-defined]
+    torch.testing.assert_close(total, x + delta, rtol=0, atol=0)
+    torch.testing.assert_close(normed, _reference_norm(x + delta, weight, 1e-5))
+
+
+@pytest.mark.parametrize("rows", ROWS)
+def test_silu_mul_equals_silu_of_gate_times_up(ops: object, rows: int) -> None:
+    gate_up = _strided(rows, 2 * 80, 4) * 6
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -20.0])  # saturated and zero gates
+    gate, up = gate_up.split(80, dim=-1)
+    out = ops.silu_mul(gate_up)  # type: ignore[attr-defined]
+    assert out.shape == (rows, 80)
+    assert out.is_contiguous()
+    torch.testing.assert_close(out, F.silu(gate) * up, rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+def test_rope_rotates_q_and_k_views_like_apply_rope(ops: object, rows: int) -> None:
+    generator = torch.Generator().manual_seed(5)
+    heads, kv_heads, head_dim = 6, 2, 16
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=generator)
+    q = qkv[:, : heads * head_dim].reshape(rows, heads, head_dim)  # strided views, as in
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].reshape(rows, kv_heads, head_dim)
+    angles = torch.rand(rows, head_dim // 2, generator=generator) * 50
+    cos, sin = angles.cos(), angles.sin()
+    before = qkv.clone()
+    rotated_q, rotated_k = ops.rope(q, k, cos, sin)  # type: ignore[attr-defined]
+    torch.testing.assert_close(rotated_q, apply_rope(q, cos, sin))
+    torch.testing.assert_close(rotated_k, apply_rope(k, cos, sin))
+    assert torch.equal(qkv, before), "the inputs are left as they were"
+
+
+def test_bad_shapes_are_refused_with_a_message(ops: object) -> None:
+    with pytest.raises(RuntimeError, match="even width"):
+        ops.silu_mul(torch.zeros(2, 7))  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.rms_norm(torch.zeros(2, 4, dtype=torch.float64), torch.ones(4), 1e-6)  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match="width"):
+        ops.rms_norm(torch.zeros(2, 4), torch.ones(5), 1e-6)  # type: ignore[attr-defined]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return create_model(
+        tmp_path_factory.mktemp("fused") / "llama", "llama", overrides={"num_hidden_layers": 2}
+    )
+
+
+def test_the_decoder_gives_the_same_logits_fused_and_unfused(model_dir: Path) -> None:
+    fused = make_executor(model_dir, onednn_min_rows=0)
+    unfused = make_executor(model_dir, onednn_min_rows=0, fused=False)
+    calls: list[str] = []
+    ops = cpu_ops()
+    counted = _Counting(ops, calls)
+    fused.model.fusion.ops = lambda x: counted  # type: ignore[attr-defined]  # records the calls
+    for chunk in (SeqChunk(list(range(3, 11)), 0, [1, 2], "all"), SeqChunk([7], 8, [1, 2, 3])):
+        batch = build_model_input([chunk], 4)
+        torch.testing.assert_close(fused.execute(batch), unfused.execute(batch), atol=2e-5, rtol=0)
+    assert {"rms_norm", "add_rms_norm", "silu_mul", "rope"} <= set(calls)
+
+
+class _Counting:
+    """Forwards to the kernels and records which were called."""
+
+    def __init__(self, ops: object, calls: list[str]) -> None:
+        self._ops, self._calls = ops, calls
+
+    def __getattr__(self, name: str) -> object:
+        self._calls.append(name)
+        return getattr(self._ops, name)
