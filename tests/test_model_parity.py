@@ -167,9 +167,10 @@ def make_executor(
     )
     executor = TorchExecutor(
         params,
-        TorchExecutorOptions(device="cpu", compile=compiled, onednn_min_rows=onednn_min_rows),
+        TorchExecutorOptions(
+            device="cpu", compile=compiled, onednn_min_rows=onednn_min_rows, fused_ops=fused
+        ),
     )
-    executor.model.fusion.enabled = fused  # type: ignore[attr-defined]
     executor.initialize_kv_cache(NUM_PAGES)
     return executor
 

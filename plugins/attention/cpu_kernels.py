@@ -30,6 +30,9 @@ __all__ = ["cpu_ops", "paged_decode_kernel"]
 logger = logging.getLogger(__name__)
 
 _SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_paged.cpp", "cpu_fused.cpp"))
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math", "-fno-math-errno"]
+"""As torch's own build: without the last two, GCC keeps the float clamps and exp of the
+kernels' loops scalar."""
 _LOCK = threading.Lock()
 
 
@@ -41,7 +44,8 @@ def _cache_dir() -> Path:
     except OSError:
         pass
     sources = b"".join(source.read_bytes() for source in _SOURCES)
-    key = hashlib.sha256(sources + torch.__version__.encode() + flags.encode()).hexdigest()[:16]
+    build = " ".join([torch.__version__, *_CFLAGS, flags]).encode()
+    key = hashlib.sha256(sources + build).hexdigest()[:16]
     return cache_root() / "extensions" / f"cpu_paged-{key}"
 
 
@@ -55,7 +59,7 @@ def _build() -> Any:
         name="brigade_cpu_paged",
         sources=[str(source) for source in _SOURCES],
         build_directory=str(directory),
-        extra_cflags=["-O3", "-march=native", "-fopenmp"],
+        extra_cflags=_CFLAGS,
         extra_ldflags=["-fopenmp"],
         is_python_module=False,  # registers torch.ops.brigade_cpu
         verbose=False,

@@ -27,6 +27,7 @@ from brigade.models.checkpoint import open_checkpoint
 from brigade.models.loader import DTYPES, resolve_dtype
 from brigade.plugins.executors.cpu_gemm import pack_linears
 from brigade.plugins.executors.piecewise import SplitModel
+from brigade.plugins.models.decoder import CpuFusion
 
 if TYPE_CHECKING:
     from brigade.plugins.executors.compiled_forward import CompiledForward
@@ -70,6 +71,12 @@ class TorchExecutorOptions:
         "at least this many tokens, and through the plain GEMM below that; 0 = never "
         "(docs/benchmarks.md has the measurements behind the default). Not used with compile",
         ge=0,
+    )
+    fused_ops: bool = option(
+        True,
+        help="on a CPU in float32, run a decoder layer's small operations (RMSNorm, the "
+        "residual add before the second norm, SiLU-mul, RoPE) as Brigade's fused C++ kernels "
+        "(built once, like the attention kernel); false = torch's operations",
     )
 
 
@@ -134,6 +141,8 @@ class TorchExecutor(Executor):
             self.model.eval()
             if self.device.type == "cpu" and options.onednn_min_rows and not options.compile:
                 pack_linears(self.model, options.onednn_min_rows)
+        if isinstance(fusion := getattr(self.model, "fusion", None), CpuFusion):
+            fusion.enabled = options.fused_ops
         self.forward_fn: Callable[..., torch.Tensor] = self.model.forward
         """The model's forward (a subclass may swap in a compiled one)."""
         self.compiled: CompiledForward | None = None
