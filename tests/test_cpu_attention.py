@@ -59,23 +59,32 @@ def kernel() -> object:
 
 
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "page_size", "window", "dtype"),
+    ("heads", "kv_heads", "page_size", "window", "dtype", "head_dim"),
     [
-        (9, 3, 16, 0, torch.float32),  # SmolLM2's grouping
-        (4, 4, 1, 0, torch.float32),  # no grouping, one token per page
-        (8, 2, 4, 5, torch.float32),  # sliding window shorter than most rows
-        (8, 2, 16, 0, torch.bfloat16),  # a bfloat16 cache
+        (9, 3, 16, 0, torch.float32, 64),  # SmolLM2's grouping
+        (4, 4, 1, 0, torch.float32, 64),  # no grouping, one token per page
+        (8, 2, 4, 5, torch.float32, 64),  # sliding window shorter than most rows
+        (8, 2, 16, 0, torch.bfloat16, 64),  # a bfloat16 cache (the scalar loops)
+        (4, 2, 16, 0, torch.float32, 128),  # two 64-float blocks per head
+        (4, 2, 8, 0, torch.float32, 40),  # a partial block of vectors
+        (4, 2, 8, 0, torch.float32, 36),  # not a multiple of 8: the scalar loops
     ],
 )
 def test_paged_decode_equals_softmax_over_each_rows_own_keys(
-    kernel: object, heads: int, kv_heads: int, page_size: int, window: int, dtype: torch.dtype
+    kernel: object,
+    heads: int,
+    kv_heads: int,
+    page_size: int,
+    window: int,
+    dtype: torch.dtype,
+    head_dim: int,
 ) -> None:
     lengths = [1, 7, 16, 17, 130, 3]  # mixed: one page, page edges, many pages
     query, keys, values, tables, seq_lens = _paged_case(
-        lengths, heads=heads, kv_heads=kv_heads, head_dim=64, page_size=page_size, seed=heads
+        lengths, heads=heads, kv_heads=kv_heads, head_dim=head_dim, page_size=page_size, seed=heads
     )
     keys, values = keys.to(dtype), values.to(dtype)
-    scale = 64**-0.5
+    scale = head_dim**-0.5
     out = kernel(query, keys, values, tables, seq_lens, window, scale)  # type: ignore[operator]
     expected = _reference(query, keys, values, tables, seq_lens, window, scale)
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)

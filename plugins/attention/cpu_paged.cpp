@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -61,6 +62,24 @@ inline void score_key(const float* q, const Cache* key, float* out, int64_t stri
   }
 }
 
+// Each of `group` rows of `count` scores -> its softmax, in place.
+inline void softmax_rows(float* s, int64_t group, int64_t count) {
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = s + g * count;
+    float maximum = sg[0];
+    for (int64_t t = 1; t < count; ++t) maximum = std::max(maximum, sg[t]);
+    float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t t = 0; t < count; ++t) {
+      sg[t] = exp_nonpositive(sg[t] - maximum);
+      total += sg[t];
+    }
+    const float inverse = 1.0f / total;
+#pragma omp simd
+    for (int64_t t = 0; t < count; ++t) sg[t] *= inverse;
+  }
+}
+
 template <typename Cache>
 inline void add_value(const float* weights, const Cache* value, float* accumulator,
                       int64_t stride, int64_t group, int64_t head_dim) {
@@ -69,6 +88,61 @@ inline void add_value(const float* weights, const Cache* value, float* accumulat
     float* acc = accumulator + g * head_dim;
 #pragma omp simd
     for (int64_t e = 0; e < head_dim; ++e) acc[e] += weight * to_float(value[e]);
+  }
+}
+
+// Float32 caches with head_dim a multiple of 8 take blocked loops on 8-float vectors (GCC
+// vector extensions: AVX/AVX-512/NEON as the CPU has): eight keys' dot products at a time with
+// eight independent accumulators instead of one dependent reduction chain per key, and the
+// weighted value sum of one head held in registers across all of a row's keys.
+typedef float vec8 __attribute__((vector_size(32)));
+
+inline vec8 load8(const float* p) {
+  vec8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline float sum8(vec8 v) {
+  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+// Scores s[t] = q . key(t) * scale for t in [0, count); key(t) is at keys(t).
+template <typename KeyAt>
+inline void score_block8(const float* q, KeyAt keys, float* s, int64_t count, int64_t head_dim,
+                         float scale) {
+  int64_t t = 0;
+  for (; t + 8 <= count; t += 8) {
+    const float* k[8];
+    for (int j = 0; j < 8; ++j) k[j] = keys(t + j);
+    vec8 acc[8] = {};
+    for (int64_t e = 0; e < head_dim; e += 8) {
+      const vec8 qv = load8(q + e);
+      for (int j = 0; j < 8; ++j) acc[j] += qv * load8(k[j] + e);
+    }
+    for (int j = 0; j < 8; ++j) s[t + j] = sum8(acc[j]) * scale;
+  }
+  for (; t < count; ++t) {
+    const float* key = keys(t);
+    vec8 acc = {};
+    for (int64_t e = 0; e < head_dim; e += 8) acc += load8(q + e) * load8(key + e);
+    s[t] = sum8(acc) * scale;
+  }
+}
+
+// out[0:head_dim] = sum over t of w[t] * value(t), 64 floats (8 vectors in registers) at a time.
+template <typename ValueAt>
+inline void weighted_sum8(const float* w, ValueAt values, float* out, int64_t count,
+                          int64_t head_dim) {
+  for (int64_t base = 0; base < head_dim; base += 64) {
+    const int64_t width = std::min<int64_t>(64, head_dim - base) / 8;
+    vec8 acc[8] = {};
+    for (int64_t t = 0; t < count; ++t) {
+      const float* v = values(t) + base;
+      const vec8 weight = vec8{} + w[t];
+      for (int64_t i = 0; i < width; ++i) acc[i] += weight * load8(v + 8 * i);
+    }
+    for (int64_t i = 0; i < width; ++i) std::memcpy(out + base + 8 * i, &acc[i], sizeof(vec8));
   }
 }
 
@@ -99,6 +173,26 @@ void decode_rows(const float* query, const Cache* key_cache, const Cache* value_
         continue;
       }
       float* s = scores.data();
+      if constexpr (std::is_same_v<Cache, float>) {
+        if (head_dim % 8 == 0) {
+          const int64_t offset = kv_head * head_dim;
+          const auto at = [&](const float* cache) {
+            return [=](int64_t t) {
+              const int64_t position = first + t;
+              return cache + pages[position / page_size] * page_stride +
+                     (position % page_size) * token_stride + offset;
+            };
+          };
+          for (int64_t g = 0; g < group; ++g) {
+            score_block8(q + g * head_dim, at(key_cache), s + g * count, count, head_dim, scale);
+          }
+          softmax_rows(s, group, count);
+          for (int64_t g = 0; g < group; ++g) {
+            weighted_sum8(s + g * count, at(value_cache), o + g * head_dim, count, head_dim);
+          }
+          continue;
+        }
+      }
       const int64_t last_page = (length - 1) / page_size;
       // Pass 1: scores [group, count] (column t of head g at s[g * count + t]).
       for (int64_t t = 0; t < count; ++t) {
@@ -117,20 +211,7 @@ void decode_rows(const float* query, const Cache* key_cache, const Cache* value_
                            (position % page_size) * token_stride + kv_head * head_dim;
         score_key(q, key, s + t, count, group, head_dim, scale);
       }
-      for (int64_t g = 0; g < group; ++g) {
-        float* sg = s + g * count;
-        float maximum = sg[0];
-        for (int64_t t = 1; t < count; ++t) maximum = std::max(maximum, sg[t]);
-        float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-        for (int64_t t = 0; t < count; ++t) {
-          sg[t] = exp_nonpositive(sg[t] - maximum);
-          total += sg[t];
-        }
-        const float inverse = 1.0f / total;
-#pragma omp simd
-        for (int64_t t = 0; t < count; ++t) sg[t] *= inverse;
-      }
+      softmax_rows(s, group, count);
       // Pass 2: the weighted sum of the values.
       std::fill(accumulator.begin(), accumulator.end(), 0.0f);
       for (int64_t t = 0; t < count; ++t) {
