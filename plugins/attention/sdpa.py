@@ -227,10 +227,18 @@ class SdpaBackend(AttentionBackend):
             output[: meta.num_decodes] = _decode(
                 layer, query[: meta.num_decodes], kv_cache[0], kv_cache[1], view
             )
+        # A whole prompt in one chunk sees exactly its own new keys: attend to them as computed
+        # instead of reading them back from the pages (same values when the cache has the
+        # activations' dtype).
+        fresh = key_cache.dtype == query.dtype
         for row in meta.prefill_view(layer.sliding_window):
-            output[row.query_start : row.query_end] = _prefill(
-                layer, query[row.query_start : row.query_end], key_cache, value_cache, row
-            )
+            span = slice(row.query_start, row.query_end)
+            if fresh and row.mask is None:
+                keys, values = key[span], value[span]  # [n, kv_heads, head_dim]
+            else:
+                keys = key_cache[row.slots].to(query.dtype)  # [num_keys, kv_heads, head_dim]
+                values = value_cache[row.slots].to(query.dtype)
+            output[span] = _prefill(layer, query[span], keys, values, row.mask)
         return output
 
 
@@ -265,20 +273,22 @@ def _decode(
 def _prefill(
     layer: AttentionLayer,
     query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    row: _PrefillRow,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
 ) -> torch.Tensor:
-    """One chunk: query [num_queries, num_heads, head_dim] -> same shape."""
+    """One chunk: query [num_queries, num_heads, head_dim], the keys and values it can see
+    [num_keys, kv_heads, head_dim] and its mask (None: plain causal) -> [num_queries, num_heads,
+    head_dim]."""
     q = query.transpose(0, 1)[None]  # [1, heads, n, hd]
-    k = key_cache[row.slots].transpose(0, 1)[None].to(query.dtype)  # [1, kv_heads, keys, hd]
-    v = value_cache[row.slots].transpose(0, 1)[None].to(query.dtype)  # [1, kv_heads, keys, hd]
+    k = keys.transpose(0, 1)[None]  # [1, kv_heads, keys, hd]
+    v = values.transpose(0, 1)[None]  # [1, kv_heads, keys, hd]
     out = F.scaled_dot_product_attention(
         q,
         k,
         v,
-        attn_mask=row.mask,
-        is_causal=row.mask is None,
+        attn_mask=mask,
+        is_causal=mask is None,
         scale=layer.scale,
         enable_gqa=layer.num_heads != layer.num_kv_heads,
     )  # [1, heads, n, hd]
