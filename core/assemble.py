@@ -12,13 +12,17 @@ from brigade.interfaces import (
     Checkpoint,
     Executor,
     ExecutorParams,
+    LogitsProcessor,
     ModelArchitecture,
+    Sampler,
+    SamplerParams,
 )
 from brigade.registry import Registry
 
 __all__ = [
     "ModelPath",
     "build_executor",
+    "build_sampler",
     "kv_pool_pages",
     "model_architecture",
     "open_model",
@@ -92,6 +96,44 @@ def build_executor(
     max_model_len = executor.kv_cache_spec().max_model_len
     host_pages = tuple(range(num_pages, num_pages + num_host_pages))
     return ModelPath(executor, checkpoint, num_pages, kv.page_size, max_model_len, host_pages)
+
+
+def build_sampler(config: EngineConfig, registry: Registry, params: SamplerParams) -> Sampler:
+    """Build the configured logits processors, then the sampler that applies them.
+
+    Raises ``ConfigError`` naming the processor when one cannot be built (a token id outside
+    this model's vocabulary, words without a tokenizer), and naming the sampler when it
+    leaves a configured processor out of its chain.
+    """
+    station = config["sampler"]
+    processors: list[LogitsProcessor] = []
+    for entry in station.chain:
+        factory = registry.get("logits_processor", entry.name).factory
+        try:
+            processors.append(factory(params, entry.options))
+        except ValueError as exc:
+            raise ConfigError(
+                f"{config.source} [sampler] logits_processors: {entry.name!r} cannot start "
+                f"with this model: {exc}"
+            ) from exc
+    name = config.plugin("sampler")
+    sampler: Sampler = registry.get("sampler", name).factory(
+        dataclasses.replace(params, logits_processors=tuple(processors)), station.options
+    )
+    chain = list(sampler.logits_processors())
+    missing = [
+        entry.name
+        for entry, processor in zip(station.chain, processors, strict=True)
+        if not any(stage is processor for stage in chain)
+    ]
+    if missing:
+        raise ConfigError(
+            f"{config.source} [sampler]: sampler {name!r} does not apply the configured logits "
+            f"processors {', '.join(missing)} (it must return SamplerParams.logits_processors "
+            "from logits_processors()); use a sampler that does, such as 'standard' or "
+            "'xgrammar'"
+        )
+    return sampler
 
 
 def kv_pool_pages(executor: Executor, config: EngineConfig) -> int:

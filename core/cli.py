@@ -243,18 +243,25 @@ def _load(file: str | None, overrides: Sequence[str]) -> tuple[Any, Any]:
 
 def _cmd_config_check(args: argparse.Namespace) -> int:
     from brigade.config import check_config
+    from brigade.stations import STATIONS
 
     config, registry = _load(args.file, args.set)
     notes = check_config(config, registry)
     print(f"{config.source}: OK")
     for station, plugin in config.components.items():
-        print(f"  {station}: {plugin}")
+        chain = ", ".join(entry.name for entry in config[station].chain)
+        print(
+            f"  {station}: {plugin}"
+            + (f"; {STATIONS[station].chain_key}: {chain}" if chain else "")
+        )
     for note in notes:
         print(f"  {note}")
     return 0
 
 
 def _cmd_config_show(args: argparse.Namespace) -> int:
+    from brigade.stations import STATIONS
+
     config, _ = _load(args.file, args.set)
     for name, station in config.stations.items():
         print(f"[{name}]")
@@ -266,6 +273,11 @@ def _cmd_config_show(args: argparse.Namespace) -> int:
             for key, value in dataclasses.asdict(values).items():
                 print(f"{key} = {_toml_value(value)}")
         print()
+        for entry in station.chain:
+            print(f"[{name}.{STATIONS[name].chain_options_key}.{entry.name}]")
+            for key, value in dataclasses.asdict(entry.options).items():
+                print(f"{key} = {_toml_value(value)}")
+            print()
     return 0
 
 

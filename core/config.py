@@ -19,9 +19,25 @@ from brigade.options import build_options, unknown_key_error
 from brigade.registry import Registry
 from brigade.stations import STATIONS, Station
 
-__all__ = ["EngineConfig", "StationConfig", "check_config", "load_config", "parse_override"]
+__all__ = [
+    "ChainEntry",
+    "EngineConfig",
+    "StationConfig",
+    "check_config",
+    "load_config",
+    "parse_override",
+]
 
 ENV_PREFIX = "BRIGADE_"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChainEntry:
+    """One component of a station's chain: a logits processor the sampler applies."""
+
+    name: str
+    options: Any
+    """Its options instance, from ``[<station>.<kind>_options.<name>]`` (defaults if absent)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -34,6 +50,9 @@ class StationConfig:
     """The station's own options (e.g. ``[kv] page_size``), shared by all its plugins."""
     options: Any
     """The plugin's options instance (``NoOptions()`` when there is no plugin)."""
+    chain: tuple[ChainEntry, ...] = ()
+    """The components the station's chain setting lists, in order (``[sampler]
+    logits_processors``); empty for a station without one."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -207,6 +226,7 @@ def _build_station(
     where = f"{source} [{station.name}]"
     values = dict(table)
     plugin = values.pop("plugin", station.default_plugin)
+    chain_options = values.pop(station.chain_options_key, {}) if station.chain_options_key else {}
     if not station.kind and "plugin" in table:
         raise ConfigError(f"{where}: this table selects no plugin; remove 'plugin'")
     if plugin is not None and not isinstance(plugin, str):
@@ -216,6 +236,7 @@ def _build_station(
         station.settings_type, {k: v for k, v in values.items() if k in setting_keys}, where
     )
     plugin_values = {k: v for k, v in values.items() if k not in setting_keys}
+    chain = _build_chain(station, settings, chain_options, registry, source)
     if plugin is None:
         for key in plugin_values:
             raise unknown_key_error(where, key, sorted(setting_keys))
@@ -227,7 +248,50 @@ def _build_station(
     plugin_keys = [f.name for f in dataclasses.fields(component.options_type)]
     for key in plugin_values:
         if key not in plugin_keys:
-            allowed = ["plugin", *sorted(setting_keys), *plugin_keys]
+            chain_keys = [station.chain_options_key] if station.chain_options_key else []
+            allowed = ["plugin", *sorted(setting_keys), *chain_keys, *plugin_keys]
             raise unknown_key_error(f"{where} ({plugin})", key, allowed)
     options = build_options(component.options_type, plugin_values, f"{where} ({plugin})")
-    return StationConfig(plugin=plugin, settings=settings, options=options)
+    return StationConfig(plugin=plugin, settings=settings, options=options, chain=chain)
+
+
+def _build_chain(
+    station: Station, settings: Any, tables: Any, registry: Registry, source: str
+) -> tuple[ChainEntry, ...]:
+    """The components a station's chain setting names, each with its validated options."""
+    kind, key, options_key = station.chain_kind, station.chain_key, station.chain_options_key
+    if kind is None or key is None or options_key is None:
+        return ()
+    where = f"{source} [{station.name}]"
+    names: tuple[str, ...] = getattr(settings, key)
+    if not isinstance(tables, Mapping):
+        raise ConfigError(
+            f"{where} {options_key}: expected a table of option tables, one per {kind} "
+            f"([{station.name}.{options_key}.<name>]), got {type(tables).__name__} {tables!r}"
+        )
+    components = []
+    for index, name in enumerate(names):
+        if name in names[:index]:
+            raise ConfigError(f"{where} {key}: {name!r} is listed twice; list each {kind} once")
+        try:
+            components.append(registry.get(kind, name))
+        except UnknownComponentError as exc:
+            raise ConfigError(f"{where} {key}[{index}]: {exc}") from None
+    unlisted = sorted(set(tables) - set(names))
+    if unlisted:
+        listed = ", ".join(names) or "(none)"
+        raise ConfigError(
+            f"{where} {options_key}.{unlisted[0]}: options for a {kind} that {key} does not "
+            f"list (listed: {listed}); add it to {key} or remove the table"
+        )
+    chain = []
+    for name, component in zip(names, components, strict=True):
+        table = tables.get(name, {})
+        table_where = f"{source} [{station.name}.{options_key}.{name}]"
+        if not isinstance(table, Mapping):
+            raise ConfigError(
+                f"{table_where}: expected a table of {name}'s options, got "
+                f"{type(table).__name__} {table!r}"
+            )
+        chain.append(ChainEntry(name, build_options(component.options_type, table, table_where)))
+    return tuple(chain)

@@ -9,7 +9,7 @@ from typing import Any
 from brigade.interfaces.options import option_help
 from brigade.options import describe_type
 from brigade.registry import Registry
-from brigade.stations import STATIONS
+from brigade.stations import STATIONS, Station
 
 __all__ = ["render_config_reference"]
 
@@ -61,7 +61,29 @@ def render_config_reference(registry: Registry, *, distribution_prefix: str = ""
             options = _rows(component.options_type)
             body = f"\nOptions:\n\n{options}" if options else "\nNo options of its own.\n"
             parts.append(f"\n### plugin `{name}`\n{body}")
+        parts.extend(_chain_sections(station, registry, distribution_prefix))
     return "".join(parts)
+
+
+def _chain_sections(station: Station, registry: Registry, distribution_prefix: str) -> list[str]:
+    """The components a station's chain setting may list, with their option tables."""
+    kind, key, options_key = station.chain_kind, station.chain_key, station.chain_options_key
+    if kind is None:
+        return []
+    parts = [
+        f"\nEach name in `{key}` is a registered `{kind}` component; its options go in the "
+        f"table `[{station.name}.{options_key}.<name>]`, e.g.\n\n```toml\n[{station.name}]\n"
+        f'{key} = ["ban-words"]\n\n[{station.name}.{options_key}.ban-words]\n'
+        'words = ["Sorry"]\n```\n'
+    ]
+    for name in registry.names(kind):
+        component = registry.get(kind, name)
+        if not component.distribution.startswith(distribution_prefix):
+            continue
+        options = _rows(component.options_type)
+        body = f"\nOptions:\n\n{options}" if options else "\nNo options of its own.\n"
+        parts.append(f"\n### {kind} `{name}`\n{body}")
+    return parts
 
 
 def _rows(options_type: type) -> str:

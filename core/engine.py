@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from brigade.admission import check_request
-from brigade.assemble import build_executor, open_model
+from brigade.assemble import build_executor, build_sampler, open_model
 from brigade.config import EngineConfig, check_config
 from brigade.errors import ConfigError, EngineDeadError, RequestError, RequestFailedError
 from brigade.hooks import notify_request_finished
@@ -138,7 +138,9 @@ class EngineCore:
         )
         self.device = torch.device(getattr(self.executor, "device", "cpu"))
         self.sampler_name = config.plugin("sampler")
-        self.sampler: Sampler = registry.get("sampler", self.sampler_name).factory(
+        self.sampler: Sampler = build_sampler(
+            config,
+            registry,
             SamplerParams(
                 settings.max_num_seqs,
                 self.vocab_size,
@@ -147,7 +149,6 @@ class EngineCore:
                 eos_token_ids=tuple(sorted(self.eos_token_ids)),
                 checkpoint=self.checkpoint,
             ),
-            config["sampler"].options,
         )
         # An executor that returns token ids (no logits) leaves processors nothing to act on.
         self._executor_returns_token_ids = type(self.executor).returns_token_ids

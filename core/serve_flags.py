@@ -482,7 +482,8 @@ FLAGS: tuple[ServeFlag, ...] = (
     ),
     _refused(
         "--logits-processors",
-        "custom logits processors are sampler plugins (docs/plugins.md): [sampler] plugin",
+        "logits processors are registered plugins chosen by name (docs/plugins.md): "
+        "[sampler] logits_processors",
     ),
     _refused(
         ("--long-prefill-token-threshold", "--max-num-partial-prefills"),

@@ -11,6 +11,7 @@ __all__ = [
     "KVSettings",
     "ModelSettings",
     "NoSettings",
+    "SamplerSettings",
     "SchedulerSettings",
     "ServerSettings",
     "Station",
@@ -80,6 +81,16 @@ class SchedulerSettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class SamplerSettings:
+    logits_processors: tuple[str, ...] = option(
+        (),
+        help="registered logits_processor components every request goes through, in this "
+        "order, after its own logit_bias and penalties and before min_tokens and the grammar "
+        "mask; each one's options go in [sampler.logits_processor_options.<name>]",
+    )
+
+
+@dataclasses.dataclass(frozen=True)
 class ServerSettings:
     host: str = option("127.0.0.1", help="address to listen on")
     port: int = option(8000, help="TCP port", ge=0, le=65535)
@@ -127,6 +138,20 @@ class Station:
     settings_type: type
     summary: str = ""
     """One line for the config reference."""
+    chain_kind: str | None = None
+    """The component kind that the setting ``<chain_kind>s`` lists by name, in order (the
+    sampler's ``logits_processors``); each listed component's options are the sub-table
+    ``[<station>.<chain_kind>_options.<name>]``."""
+
+    @property
+    def chain_key(self) -> str | None:
+        """The setting that lists the chain (``logits_processors``); None without a chain."""
+        return None if self.chain_kind is None else f"{self.chain_kind}s"
+
+    @property
+    def chain_options_key(self) -> str | None:
+        """The sub-table of the chain's options (``logits_processor_options``)."""
+        return None if self.chain_kind is None else f"{self.chain_kind}_options"
 
 
 STATIONS: dict[str, Station] = {
@@ -153,8 +178,9 @@ STATIONS: dict[str, Station] = {
             "sampler",
             "sampler",
             "xgrammar",
-            NoSettings,
+            SamplerSettings,
             "Chooses tokens from logits (xgrammar: standard sampling plus structured output).",
+            chain_kind="logits_processor",
         ),
         Station(
             "detokenizer",

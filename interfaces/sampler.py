@@ -33,8 +33,12 @@ class SamplerParams:
     eos_token_ids: tuple[int, ...] = ()
     """Token ids that end a generation (the model's EOS ids)."""
     checkpoint: Checkpoint | None = None
-    """The opened model, for stages that need the vocabulary's strings (grammars:
-    ``checkpoint.tokenizer()``); None when there is none (API 1.2)."""
+    """The opened model, for stages that need the vocabulary's strings (grammars, banned
+    words: ``checkpoint.tokenizer()``); None when there is none (API 1.2)."""
+    logits_processors: tuple[LogitsProcessor, ...] = ()
+    """The configured logits processors (``[sampler] logits_processors``), built by core in
+    config order. A sampler must return each of them from :meth:`Sampler.logits_processors`,
+    in this order (see there); empty in the params a logits processor is built with."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -81,6 +85,10 @@ class SampleOutput:
 
 class LogitsProcessor(abc.ABC):
     """One stage of the chain that edits logits before sampling (penalties, bias, grammar).
+
+    A registered ``logits_processor`` component is constructed as ``factory(params:
+    SamplerParams, options)`` when ``[sampler] logits_processors`` names it; it sees every
+    request of the engine (its options decide what it does to each).
 
     Rows are persistent-batch rows: a request keeps its row while it runs. State is kept per
     row in tensors so :meth:`apply` is one vectorised call for the whole batch; rows never
@@ -168,10 +176,21 @@ class Sampler(abc.ABC):
     as per-row tensors in a :class:`SamplingBatch`; a sampler never loops over requests in
     Python on the hot path (seeded rows may draw from their own generators). Its
     :meth:`logits_processors` run, in order, before :meth:`sample`.
+
+    A request's ``logit_bias``, penalties and ``min_tokens`` are the sampler's to apply, as
+    logits processors (``brigade.plugins.samplers.processors`` has the built-in ones), as
+    are the configured ``params.logits_processors``.
     """
 
     def logits_processors(self) -> Sequence[LogitsProcessor]:
-        """The stages this sampler wants applied before it (penalties, bias, grammar ...)."""
+        """The stages this sampler wants applied before it (penalties, bias, grammar ...).
+
+        Every one of ``params.logits_processors`` appears, in config order, after the stages
+        that apply a request's ``logit_bias`` and penalties (a configured processor sees the
+        request's own edits, and a request cannot bias its way past an engine-wide ban) and
+        before the stages that mask tokens a request must not emit yet (``min_tokens``, a
+        grammar), so that no configured processor can re-enable a token they forbid.
+        """
         return ()
 
     @abc.abstractmethod

@@ -16,6 +16,7 @@ from brigade.plugins.executors.torch_executor import TorchExecutor, TorchExecuto
 from brigade.plugins.kv.paged import PagedKVManager, PagedKVOptions
 from brigade.plugins.kv.radix import RadixKVManager, RadixKVOptions
 from brigade.plugins.models.architectures import ARCHITECTURES
+from brigade.plugins.samplers.ban_words import BanWordsOptions, BanWordsProcessor
 from brigade.plugins.samplers.standard import StandardSampler, StandardSamplerOptions
 from brigade.plugins.samplers.xgrammar_sampler import XGrammarSampler, XGrammarSamplerOptions
 from brigade.plugins.schedulers.fcfs import FcfsOptions, FcfsScheduler
@@ -37,6 +38,7 @@ def brigade_register(registry: ComponentRegistry) -> None:
     registry.add("attention", "flash-attn", FlashAttentionBackend)
     registry.add("sampler", "standard", StandardSampler, options=StandardSamplerOptions)
     registry.add("sampler", "xgrammar", XGrammarSampler, options=XGrammarSamplerOptions)
+    registry.add("logits_processor", "ban-words", BanWordsProcessor, options=BanWordsOptions)
     registry.add(
         "detokenizer", "incremental", IncrementalDetokenizer, options=IncrementalDetokenizerOptions
     )

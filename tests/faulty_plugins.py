@@ -9,8 +9,14 @@ priority ``fail_schedule_priority`` is queued, ``fail_schedule_times`` times at 
 ``brigade_request_finished`` hook raises for every request when ``FAULTY_HOOK`` is set in the
 environment, else for requests with priority :data:`HOOK_POISON`.
 
+The same processor is registered as the ``faulty`` logits_processor, for engines that
+configure it (``[sampler] logits_processors = ["faulty"]``) next to an unchanged sampler.
+
 In-process tests register this module with ``load_registry(plugins=[faulty_plugins])``; a
 server subprocess finds it through the entry point that :func:`install_entry_point` writes.
+
+:class:`FieldBlindSampler` and the misordered samplers below are wrong on purpose too: the
+conformance kit must fail them, naming what they get wrong.
 """
 
 from __future__ import annotations
@@ -27,13 +33,22 @@ from brigade.interfaces import (
     KVManager,
     LogitsProcessor,
     Request,
+    SampleOutput,
     SamplerParams,
+    SamplingBatch,
+    SamplingParams,
     SchedulerOutput,
     SchedulerParams,
     hookimpl,
     option,
 )
+from brigade.plugins.samplers.processors import (
+    LogitBiasProcessor,
+    MinTokensProcessor,
+    PenaltiesProcessor,
+)
 from brigade.plugins.samplers.standard import StandardSampler, StandardSamplerOptions
+from brigade.plugins.samplers.xgrammar_sampler import XGrammarSampler, XGrammarSamplerOptions
 from brigade.scheduling import BatchScheduler
 
 POISON = {"add": 21, "begin_step": 22, "apply": 23, "accept": 24, "nan_logits": 25}
@@ -96,6 +111,11 @@ class FaultyProcessor(LogitsProcessor):
             raise ValueError("poisoned row in accept")
 
 
+def faulty_processor(params: SamplerParams, options: FaultySamplerOptions) -> FaultyProcessor:
+    """The ``faulty`` logits_processor component."""
+    return FaultyProcessor(options.fail_after_tokens)
+
+
 class FaultySampler(StandardSampler):
     def __init__(self, params: SamplerParams, options: FaultySamplerOptions) -> None:
         super().__init__(params, StandardSamplerOptions())
@@ -134,9 +154,117 @@ class FaultyScheduler(BatchScheduler):
         return super().schedule()
 
 
+BATCH_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed")
+"""Sampling fields that reach the sampler in its ``SamplingBatch``."""
+REQUEST_FIELDS = (
+    "logit_bias",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+)
+"""Sampling fields that reach the sampler's chain through the request."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FieldBlindOptions:
+    field: str = option(
+        "temperature",
+        help="the field it ignores",
+        choices=(*BATCH_FIELDS, *REQUEST_FIELDS, "logits_processors"),
+    )
+
+
+class _FieldBlindStage(LogitsProcessor):
+    """``stage``, seeing every request with ``field`` reset to its default."""
+
+    def __init__(self, stage: LogitsProcessor, field: str) -> None:
+        self.stage = stage
+        self.field = field
+
+    def add(self, row: int, request: Request) -> None:
+        default = getattr(SamplingParams(), self.field)
+        sampling = dataclasses.replace(request.sampling_params, **{self.field: default})
+        self.stage.add(row, dataclasses.replace(request, sampling_params=sampling))
+
+    def remove(self, row: int) -> None:
+        self.stage.remove(row)
+
+    @property
+    def is_active(self) -> bool:
+        return self.stage.is_active
+
+    def apply(self, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return self.stage.apply(logits, rows)
+
+    def accept_batch(self, rows: Sequence[int], token_ids: Sequence[int]) -> None:
+        if self.stage.needs_tokens:
+            self.stage.accept_batch(rows, token_ids)
+
+
+class FieldBlindSampler(StandardSampler):
+    """The standard sampler, blind to one sampling field (or to the configured processors)."""
+
+    def __init__(self, params: SamplerParams, options: FieldBlindOptions) -> None:
+        self.field = options.field
+        if self.field == "logits_processors":
+            params = dataclasses.replace(params, logits_processors=())
+        super().__init__(params, StandardSamplerOptions())
+        if self.field in REQUEST_FIELDS:  # its own stages go blind, the configured ones not
+            self._processors = tuple(
+                stage if stage in params.logits_processors else _FieldBlindStage(stage, self.field)
+                for stage in self._processors
+            )
+
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
+        blind = {
+            "temperature": {"temperature": (batch.temperature > 0).float()},  # T is 0 or 1
+            "top_k": {"any_top_k": False},
+            "top_p": {"any_top_p": False},
+            "min_p": {"any_min_p": False},
+            "seed": {"generators": {}},
+        }.get(self.field, {})
+        return super().sample(logits, dataclasses.replace(batch, **blind))
+
+
+class MinTokensFirstSampler(StandardSampler):
+    """Masks min_tokens' stop ids before the configured processors (so they can undo it)."""
+
+    def __init__(self, params: SamplerParams, options: StandardSamplerOptions) -> None:
+        super().__init__(params, options)
+        self._processors = (
+            MinTokensProcessor(params),
+            LogitBiasProcessor(params),
+            PenaltiesProcessor(params),
+            *params.logits_processors,
+        )
+
+
+class ProcessorsFirstSampler(StandardSampler):
+    """Runs the configured processors before the request's own bias and penalties."""
+
+    def __init__(self, params: SamplerParams, options: StandardSamplerOptions) -> None:
+        super().__init__(params, options)
+        self._processors = (
+            *params.logits_processors,
+            LogitBiasProcessor(params),
+            PenaltiesProcessor(params),
+            MinTokensProcessor(params),
+        )
+
+
+class GrammarFirstSampler(XGrammarSampler):
+    """Masks the grammar before the configured processors (so they can undo it)."""
+
+    def __init__(self, params: SamplerParams, options: XGrammarSamplerOptions) -> None:
+        super().__init__(params, options)
+        self._processors = (self._processors[-1], *self._processors[:-1])
+
+
 @hookimpl
 def brigade_register(registry: Any) -> None:
     registry.add("sampler", "faulty", FaultySampler, options=FaultySamplerOptions)
+    registry.add("logits_processor", "faulty", faulty_processor, options=FaultySamplerOptions)
     registry.add("scheduler", "faulty", FaultyScheduler, options=FaultySchedulerOptions)
 
 

@@ -202,3 +202,102 @@ def test_config_show_round_trips(
     assert main(["config", "show", "--set", "kv.page_size=64"]) == 0
     shown = write(tmp_path, capsys.readouterr().out)
     assert load_config(shown, registry, environ={})["kv"].settings.page_size == 64
+
+
+PROCESSORS = '[sampler]\nlogits_processors = ["ban-words"]\n'
+
+
+def test_logits_processors_are_selected_with_their_own_options(
+    tmp_path: Path, registry: Registry
+) -> None:
+    path = write(
+        tmp_path,
+        PROCESSORS + '[sampler.logits_processor_options.ban-words]\nwords = ["Sorry"]\n'
+        "token_ids = [3, 5]\n",
+    )
+    sampler = load_config(path, registry)["sampler"]
+    assert sampler.settings.logits_processors == ("ban-words",)
+    [entry] = sampler.chain
+    assert entry.name == "ban-words"
+    assert entry.options.words == ("Sorry",)
+    assert entry.options.token_ids == (3, 5)
+    assert load_config(None, registry)["sampler"].chain == ()
+    # Without an options table the processor gets its defaults.
+    [default] = load_config(write(tmp_path, PROCESSORS), registry)["sampler"].chain
+    assert default.options.token_ids == ()
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            '[sampler]\nlogits_processors = ["ban-wrds"]\n',
+            r"\[sampler\] logits_processors\[0\]: no logits_processor plugin named 'ban-wrds'; "
+            r"registered logits_processor plugins: ban-words",
+        ),
+        (
+            '[sampler]\nlogits_processors = "ban-words"\n',
+            r"\[sampler\] logits_processors: expected array of str, got str",
+        ),
+        (
+            '[sampler]\nlogits_processors = ["ban-words", "ban-words"]\n',
+            r"'ban-words' is listed twice",
+        ),
+        (
+            PROCESSORS + "[sampler.logits_processor_options.ban-words]\ntoken_ids = 5\n",
+            r"\[sampler.logits_processor_options.ban-words\] token_ids: expected array of int",
+        ),
+        (
+            PROCESSORS + "[sampler.logits_processor_options.ban-words]\ntoken_ids = [-2]\n",
+            r"\[sampler.logits_processor_options.ban-words\]: token_ids must be >= 0, got \[-2\]",
+        ),
+        (
+            PROCESSORS + '[sampler.logits_processor_options.ban-words]\nword = ["x"]\n',
+            r"ban-words\]: unknown key 'word'; allowed: words, token_ids \(did you mean 'words'",
+        ),
+        (
+            "[sampler.logits_processor_options.ban-words]\ntoken_ids = [1]\n",
+            r"logits_processor_options.ban-words: options for a logits_processor that "
+            r"logits_processors does not list \(listed: \(none\)\)",
+        ),
+        (
+            "[sampler]\nlogits_processor_options = 3\n",
+            r"logits_processor_options: expected a table of option tables",
+        ),
+        (
+            "[sampler]\nlogits_processor = []\n",
+            r"unknown key 'logits_processor'; allowed: plugin, logits_processors, "
+            r"logits_processor_options",
+        ),
+    ],
+)
+def test_bad_logits_processor_config_names_the_processor(
+    tmp_path: Path, registry: Registry, text: str, message: str
+) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError, match=message) as excinfo:
+        load_config(path, registry)
+    assert str(path) in str(excinfo.value)
+
+
+def test_logits_processors_from_flags_and_config_commands(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], registry: Registry
+) -> None:
+    flags = [
+        "--set",
+        'sampler.logits_processors=["ban-words"]',
+        "--set",
+        "sampler.logits_processor_options={ban-words = {token_ids = [7]}}",
+    ]
+    assert main(["config", "show", *flags]) == 0
+    shown = capsys.readouterr().out
+    assert "[sampler.logits_processor_options.ban-words]\n" in shown
+    [entry] = load_config(write(tmp_path, shown), registry, environ={})["sampler"].chain
+    assert entry.options.token_ids == (7,)
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[sampler]\nlogits_processors = ["nope"]\n')
+    assert main(["config", "check", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "no logits_processor plugin named 'nope'" in err
+    assert "ban-words" in err
+    assert "Traceback" not in err

@@ -9,19 +9,26 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import faulty_plugins
 import pytest
+import torch
 
-from brigade.interfaces import ExecutorParams, ModelInput, NoOptions
+from brigade.interfaces import ExecutorParams, ModelInput, NoOptions, Request, SamplerParams
 from brigade.models.create import create_model
 from brigade.options import build_options
 from brigade.plugins.attention.sdpa import SdpaBackend, SdpaMetadata
 from brigade.plugins.executors.torch_executor import TorchExecutor, TorchExecutorOptions
+from brigade.plugins.samplers.ban_words import BanWordsOptions, BanWordsProcessor
+from brigade.plugins.samplers.processors import PenaltiesProcessor
+from brigade.plugins.samplers.standard import StandardSamplerOptions
+from brigade.plugins.samplers.xgrammar_sampler import XGrammarSamplerOptions
 from brigade.registry import Component, load_registry
 from brigade.testing.conformance import (
     check_attention_backend,
     check_detokenizer,
     check_executor,
     check_kv_manager,
+    check_logits_processor,
     check_model_architecture,
     check_sampler,
     check_scheduler,
@@ -131,6 +138,112 @@ def test_scheduler_conforms(component: Component) -> None:
 @pytest.mark.parametrize("component", components("sampler"), ids=ids)
 def test_sampler_conforms(component: Component) -> None:
     check_sampler(component.factory, build_options(component.options_type, {}, component.name))
+
+
+@pytest.mark.parametrize("component", components("logits_processor"), ids=ids)
+def test_logits_processor_conforms(component: Component) -> None:
+    options = build_options(component.options_type, {}, component.name)
+    check_logits_processor(component.factory, options)
+
+
+@pytest.mark.parametrize(
+    "field",
+    [*faulty_plugins.BATCH_FIELDS, *faulty_plugins.REQUEST_FIELDS, "logits_processors"],
+)
+def test_the_sampler_check_fails_a_sampler_that_ignores_a_field(field: str) -> None:
+    """The standard sampler, blind to one field, fails with a message naming that field."""
+    options = faulty_plugins.FieldBlindOptions(field=field)
+    with pytest.raises(AssertionError, match=rf"^{field}[=:]"):
+        check_sampler(faulty_plugins.FieldBlindSampler, options)
+
+
+@pytest.mark.parametrize(
+    ("factory", "options", "message"),
+    [
+        (
+            faulty_plugins.MinTokensFirstSampler,
+            StandardSamplerOptions(),
+            r"^min_tokens: a configured processor set stop token \d+'s logit",
+        ),
+        (
+            faulty_plugins.ProcessorsFirstSampler,
+            StandardSamplerOptions(),
+            r"^logits_processors: configured processors must see the logits after the "
+            r"request's logit_bias",
+        ),
+        (
+            faulty_plugins.GrammarFirstSampler,
+            XGrammarSamplerOptions(),
+            r"^logits_processors: grammar stage GrammarProcessor runs before the configured",
+        ),
+    ],
+    ids=["min-tokens-first", "processors-first", "grammar-first"],
+)
+def test_the_sampler_check_fails_a_chain_in_the_wrong_order(
+    factory: object, options: object, message: str
+) -> None:
+    with pytest.raises(AssertionError, match=message):
+        check_sampler(factory, options)  # type: ignore[arg-type]
+
+
+class BansInEveryRow(BanWordsProcessor):
+    """Masks its tokens in rows it was never given."""
+
+    def apply(self, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        logits[:, 3] = float("-inf")
+        return logits
+
+
+class ForgetsEmittedTokens(PenaltiesProcessor):
+    """Ignores a re-added request's emitted tokens (its counts restart after a preemption)."""
+
+    def add(self, row: int, request: Request) -> None:
+        fresh = Request(request.request_id, request.prompt_token_ids, request.sampling_params)
+        super().add(row, fresh)
+
+
+class DependsOnTheInstance(BanWordsProcessor):
+    """Shifts its rows by a number drawn once per instance: two instances disagree."""
+
+    def __init__(self, params: SamplerParams, options: BanWordsOptions) -> None:
+        super().__init__(params, options)
+        self.shift = torch.rand(()).item()  # the global generator moves between instances
+
+    def apply(self, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        shift = self.shift * self._tracked[rows].unsqueeze(1)  # [S, 1]
+        return super().apply(logits, rows) + shift
+
+
+@pytest.mark.parametrize(
+    ("factory", "message"),
+    [
+        (BansInEveryRow, r"BansInEveryRow: row 9 was never added but apply edited it"),
+        (
+            lambda params, _: ForgetsEmittedTokens(params),
+            r"ForgetsEmittedTokens: request conformance-0 added again after a preemption",
+        ),
+        (
+            DependsOnTheInstance,
+            r"DependsOnTheInstance: step 0 differs between two instances",
+        ),
+    ],
+    ids=["edits-never-added-rows", "forgets-after-preemption", "nondeterministic"],
+)
+def test_the_logits_processor_check_fails_a_broken_processor(factory: object, message: str) -> None:
+    with pytest.raises(AssertionError, match=message):
+        check_logits_processor(factory, BanWordsOptions(token_ids=(3,)))  # type: ignore[arg-type]
+
+
+def test_the_logits_processor_check_builds_from_sampler_params() -> None:
+    seen: list[SamplerParams] = []
+
+    def factory(params: SamplerParams, options: BanWordsOptions) -> BanWordsProcessor:
+        seen.append(params)
+        return BanWordsProcessor(params, options)
+
+    check_logits_processor(factory, BanWordsOptions(token_ids=(1,)), vocab_size=40)
+    assert seen
+    assert all(p.vocab_size == 40 and p.logits_processors == () for p in seen)
 
 
 @pytest.mark.parametrize("component", components("detokenizer"), ids=ids)

@@ -53,8 +53,23 @@ def llm(model_dir: Path) -> LLM:
     )
 
 
+@pytest.fixture(scope="module")
+def configured_llm(model_dir: Path) -> LLM:
+    """The default sampler with the faulty processor configured as a logits_processor."""
+    return faulty_llm(
+        model_dir,
+        'sampler.logits_processors=["faulty"]',
+        "sampler.logits_processor_options={faulty = {fail_after_tokens = 2}}",
+    )
+
+
+@pytest.mark.parametrize("engine", ["llm", "configured_llm"])
 @pytest.mark.parametrize("fail_in", list(POISON))
-def test_a_request_a_logits_processor_fails_for_fails_alone(llm: LLM, fail_in: str) -> None:
+def test_a_request_a_logits_processor_fails_for_fails_alone(
+    request: pytest.FixtureRequest, engine: str, fail_in: str
+) -> None:
+    """The faulty stage of a sampler plugin, or configured next to the built-in sampler."""
+    llm: LLM = request.getfixturevalue(engine)
     results = llm.generate(PROMPTS, GREEDY, priority=[0, POISON[fail_in], 0])
     failed = results[1].outputs[0]
     assert failed.finish_reason == "error"

@@ -219,7 +219,7 @@ def test_processors_stay_inactive_for_plain_requests() -> None:
         processor.add(row, plain)
         assert not processor.is_active, type(processor).__name__
     penalised = request(presence_penalty=0.1)
-    penalties = chain.logits_processors()[2]
+    penalties = next(p for p in chain.logits_processors() if isinstance(p, PenaltiesProcessor))
     penalties.add(7, penalised)
     assert penalties.is_active
     penalties.remove(7)

@@ -41,19 +41,30 @@ class StandardSamplerOptions:
 
 
 class StandardSampler(Sampler):
-    """Vectorised sampling with the min_tokens, logit_bias and penalties stages before it."""
+    """Vectorised sampling after the logit_bias, penalties, configured and min_tokens stages.
+
+    The chain, in order: the request's ``logit_bias``, then its penalties (the request's own
+    edits of the scores, in vLLM's order: a penalty acts on the biased logit), then the
+    configured ``params.logits_processors`` (they see those edits, and an engine-wide ban is
+    not undone by a request's bias), then ``min_tokens``, which masks the stop ids last so
+    that no processor before it can re-enable them. Masking to -inf commutes with adding a
+    bias and with the penalties (-inf stays -inf through both), so without configured
+    processors this gives exactly the logits of masking first.
+    """
 
     def __init__(self, params: SamplerParams, options: StandardSamplerOptions) -> None:
         self.params = params
         self.options = options
         self._processors: tuple[LogitsProcessor, ...] = (
-            MinTokensProcessor(params),
             LogitBiasProcessor(params),
             PenaltiesProcessor(params),
+            *params.logits_processors,
+            MinTokensProcessor(params),
         )
 
     def logits_processors(self) -> Sequence[LogitsProcessor]:
-        """min_tokens (masks stop ids), logit_bias, then penalties: always the same objects."""
+        """logit_bias, penalties, the configured processors, min_tokens: always the same
+        objects."""
         return self._processors
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:

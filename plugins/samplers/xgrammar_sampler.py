@@ -40,5 +40,6 @@ class XGrammarSampler(StandardSampler):
             compile_threads=options.compile_threads,
             cache_size=options.cache_size,
         )
-        # The grammar stage runs last: whatever the others add, a masked token stays -inf.
+        # The grammar stage runs last: whatever the others add (the configured processors
+        # included), a token the grammar masks stays -inf.
         self._processors = (*self._processors, GrammarProcessor(params, self.backend))

@@ -11,6 +11,7 @@ Brigade runs the same checks on every registered component (``tests/test_conform
 
 from brigade.testing.conformance.detokenizer import DETOKENIZER_TEXTS, check_detokenizer
 from brigade.testing.conformance.kv import check_kv_manager
+from brigade.testing.conformance.logits_processor import check_logits_processor
 from brigade.testing.conformance.models import (
     ATTENTION_CASES,
     check_attention_backend,
@@ -27,6 +28,7 @@ __all__ = [
     "check_detokenizer",
     "check_executor",
     "check_kv_manager",
+    "check_logits_processor",
     "check_model_architecture",
     "check_sampler",
     "check_scheduler",

@@ -2,78 +2,29 @@
 
 :func:`check_sampler` draws thousands of rows at once and checks support sets exactly (a token
 outside top-k, the top-p nucleus or the min-p threshold must never appear, every token inside
-must), greedy rows, seeded rows' independence from the rest of the batch, log probabilities,
-and each logits processor through a simulated lifecycle.
+must), greedy rows, the sampled distribution at several temperatures, seeded rows'
+independence from the rest of the batch and log probabilities; drives the sampler's chain as
+core does to check that every field it owns (logit_bias, penalties, min_tokens, the
+configured processors) changes the tokens as specified; and runs each logits processor of
+the chain through a simulated lifecycle. Each failure names the field that was not honoured.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from brigade.interfaces import (
-    LogitsProcessor,
-    Request,
-    Sampler,
-    SamplerParams,
-    SamplingBatch,
-    SamplingParams,
-)
+from brigade.interfaces import Sampler, SamplerParams, SamplingBatch
+from brigade.testing.conformance.logits_processor import run_processor_lifecycle
+from brigade.testing.conformance.sampler_batch import make_sampling_batch
+from brigade.testing.conformance.sampler_chain import check_chain
 
 __all__ = ["check_sampler", "make_sampling_batch"]
 
 _NUM_DRAWS = 2000
 """Rows drawn at once by the support checks (a 5% token is missed with probability 1e-45)."""
-
-
-def make_sampling_batch(
-    num_rows: int,
-    *,
-    temperature: float | Sequence[float] = 1.0,
-    top_k: int | Sequence[int] = 0,
-    top_p: float | Sequence[float] = 1.0,
-    min_p: float | Sequence[float] = 0.0,
-    seeds: Mapping[int, int] | None = None,
-    generators: Mapping[int, torch.Generator] | None = None,
-    rows: Sequence[int] | None = None,
-    max_num_logprobs: int | None = None,
-    device: str | torch.device = "cpu",
-) -> SamplingBatch:
-    """A :class:`SamplingBatch` of ``num_rows`` rows, with the flags core would compute.
-
-    Scalars apply to every row. ``seeds`` maps a sampled-row index to a seed: that row gets a
-    fresh ``torch.Generator(device).manual_seed(seed)``; ``generators`` passes existing ones
-    (a request's generator lives across steps). ``rows`` defaults to ``0..num_rows-1``.
-    """
-
-    def per_row(value: Any, dtype: torch.dtype) -> torch.Tensor:
-        values = list(value) if isinstance(value, Sequence) else [value] * num_rows
-        if len(values) != num_rows:
-            raise ValueError(f"{len(values)} per-row values for {num_rows} rows")
-        return torch.tensor(values, dtype=dtype, device=device)
-
-    temperatures = per_row(temperature, torch.float32)
-    top_ks = per_row(top_k, torch.int64)
-    top_ps = per_row(top_p, torch.float32)
-    min_ps = per_row(min_p, torch.float32)
-    generators = dict(generators or {})
-    for index, seed in (seeds or {}).items():
-        generators[index] = torch.Generator(device).manual_seed(seed)
-    return SamplingBatch(
-        rows=per_row(range(num_rows) if rows is None else rows, torch.int64),
-        temperature=temperatures,
-        top_k=top_ks,
-        top_p=top_ps,
-        min_p=min_ps,
-        generators=generators,
-        all_greedy=bool((temperatures == 0).all()),
-        any_top_k=bool((top_ks > 0).any()),
-        any_top_p=bool((top_ps < 1).any()),
-        any_min_p=bool((min_ps > 0).any()),
-        max_num_logprobs=max_num_logprobs,
-    )
 
 
 def check_sampler(
@@ -85,7 +36,9 @@ def check_sampler(
 ) -> None:
     """Check a sampler built as ``factory(SamplerParams(...), options)``.
 
-    ``vocab_size`` must be at least 32 (the support checks keep up to 16 tokens).
+    ``vocab_size`` must be at least 32 (the support checks keep up to 16 tokens). The
+    sampler is also built with two probe processors in ``SamplerParams.logits_processors``,
+    which it must place in its chain (see ``Sampler.logits_processors``).
     """
     if vocab_size < 32:
         raise ValueError(f"check_sampler needs vocab_size >= 32, got {vocab_size}")
@@ -97,11 +50,13 @@ def check_sampler(
         return torch.randn(num_rows, vocab_size, generator=generator).mul_(3).to(device)
 
     _check_greedy(sampler, random_logits(64), device)
+    _check_temperature(sampler, vocab_size, device)
     _check_supports(sampler, vocab_size, generator, device)
     _check_seeded_rows(sampler, random_logits, device)
     _check_logprobs(sampler, random_logits(16), device)
+    check_chain(factory, options, vocab_size, device)
     for processor in sampler.logits_processors():
-        _check_processor(processor, params, random_logits)
+        run_processor_lifecycle(processor, params, random_logits)
 
 
 def _sample(sampler: Sampler, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -116,17 +71,41 @@ def _check_greedy(sampler: Sampler, logits: torch.Tensor, device: str) -> None:
     num_rows = logits.shape[0]
     expected = logits.argmax(dim=-1)
     greedy = _sample(sampler, logits, make_sampling_batch(num_rows, temperature=0, device=device))
-    assert torch.equal(greedy, expected), "all-greedy batch: not the argmax"
+    assert torch.equal(greedy, expected), "temperature=0: an all-greedy batch is not the argmax"
     mixed = [0.0 if i % 2 else 1.0 for i in range(num_rows)]
     batch = make_sampling_batch(num_rows, temperature=mixed, top_p=0.9, device=device)
     tokens = _sample(sampler, logits, batch)
-    assert torch.equal(tokens[1::2], expected[1::2]), "greedy rows batched with random rows"
+    assert torch.equal(tokens[1::2], expected[1::2]), (
+        "temperature=0: greedy rows batched with random rows are not the argmax"
+    )
     tokens = _sample(sampler, logits, make_sampling_batch(num_rows, top_k=1, device=device))
-    assert torch.equal(tokens, expected), "top_k=1 differs from greedy"
+    assert torch.equal(tokens, expected), "top_k=1: differs from greedy"
     cold = _sample(sampler, logits, make_sampling_batch(num_rows, temperature=1e-3, device=device))
     margin = logits.topk(2, dim=-1).values.diff(dim=-1).abs().squeeze(1)  # [S]
     clear = margin > 0.05  # near-ties may still flip at T=1e-3
-    assert torch.equal(cold[clear], expected[clear]), "temperature 1e-3 does not concentrate"
+    assert torch.equal(cold[clear], expected[clear]), (
+        "temperature=1e-3: does not concentrate on the argmax"
+    )
+
+
+def _check_temperature(sampler: Sampler, vocab_size: int, device: str) -> None:
+    """Two tokens a logit apart: the first is drawn with probability sigmoid(1 / T)."""
+    logits = torch.full((_NUM_DRAWS, vocab_size), float("-inf"), device=device)
+    logits[:, 0], logits[:, 1] = 1.0, 0.0
+    seeds = {index: index for index in range(_NUM_DRAWS)}  # deterministic draws
+    for temperature in (0.5, 2.0):
+        batch = make_sampling_batch(_NUM_DRAWS, temperature=temperature, seeds=seeds, device=device)
+        tokens = _sample(sampler, logits, batch)
+        assert bool(((tokens == 0) | (tokens == 1)).all()), (
+            f"temperature={temperature}: sampled a token whose logit is -inf"
+        )
+        share = float((tokens == 0).double().mean())
+        expected = float(torch.sigmoid(torch.tensor(1.0 / temperature)))
+        # 0.05 is over 4.5 standard deviations of the share over 2000 draws.
+        assert abs(share - expected) < 0.05, (
+            f"temperature={temperature}: the better of two tokens a logit apart was drawn "
+            f"{share:.3f} of the time, expected {expected:.3f} (softmax(logits / T))"
+        )
 
 
 def _check_supports(
@@ -193,10 +172,10 @@ def _check_seeded_rows(
     # Seeds are fresh generators per run, advanced across steps as core's would be.
     alone = run(1, 0, 1.0, {0: 1234})
     seeds = {0: 99, 3: 1234, 5: 7}
-    assert run(8, 3, 0.7, seeds) == alone, "seeded row changed with batch composition"
-    assert run(5, 3, 0.0, {3: 1234}) == alone, "seeded row changed next to greedy rows"
+    assert run(8, 3, 0.7, seeds) == alone, "seed: a seeded row changed with batch composition"
+    assert run(5, 3, 0.0, {3: 1234}) == alone, "seed: a seeded row changed next to greedy rows"
     others = {run(1, 0, 1.0, {0: seed})[0] for seed in range(1, 40)}
-    assert len(others) > 1, "different seeds always give the same token"
+    assert len(others) > 1, "seed: different seeds always give the same token"
 
 
 def _check_logprobs(sampler: Sampler, logits: torch.Tensor, device: str) -> None:
@@ -230,68 +209,3 @@ def _check_logprobs(sampler: Sampler, logits: torch.Tensor, device: str) -> None
         if num_logprobs:
             best = reference.topk(num_logprobs, dim=-1).values.float()
             assert torch.allclose(top.cpu(), best, atol=1e-4), f"{label}: not the top-N"
-
-
-def _feature_requests(vocab_size: int) -> list[Request]:
-    """Requests that exercise every built-in stage; a plain one last."""
-    prompt = [1, 2, 3, 2, 5]
-    features = [
-        SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.4),
-        SamplingParams(logit_bias={0: 5.0, vocab_size - 1: -5.0}),
-        SamplingParams(min_tokens=3, stop_token_ids=(4,)),
-        SamplingParams(repetition_penalty=0.8, min_tokens=2, logit_bias={2: 1.0}),
-        SamplingParams(),
-    ]
-    return [
-        Request(f"conformance-{i}", list(prompt), sp, eos_token_ids=frozenset({vocab_size - 2}))
-        for i, sp in enumerate(features)
-    ]
-
-
-def _check_processor(
-    processor: LogitsProcessor,
-    params: SamplerParams,
-    random_logits: Callable[[int], torch.Tensor],
-) -> None:
-    name = type(processor).__name__
-    assert not processor.is_active, f"{name}: active before any request was added"
-    requests = _feature_requests(params.vocab_size)
-    added = [3, 0, 7, 12, 5]
-    untouched = [1, 9]  # never added
-    for row, request in zip(added, requests, strict=True):
-        processor.add(row, request)
-    processor.remove(12)
-    processor.add(12, requests[3])  # a reused row starts fresh
-    rows = torch.tensor([9, 7, 0, 1, 3, 12, 5], device=params.device)  # unsorted, with gaps
-    for step in range(4):
-        logits = random_logits(rows.numel())
-        edited = _apply(processor, logits, rows)
-        assert edited.shape == logits.shape, f"{name}: apply returned {tuple(edited.shape)}"
-        assert edited.dtype == torch.float32, f"{name}: apply returned {edited.dtype}"
-        for index, row in enumerate(rows.tolist()):
-            if row in untouched:
-                assert torch.equal(edited[index], logits[index]), f"{name}: never-added row {row}"
-        # Rows are keyed by persistent row, not by position in the step's logits.
-        flipped = _apply(processor, logits.flip(0), rows.flip(0))
-        assert torch.equal(flipped.flip(0), edited), f"{name}: result depends on row order"
-        if processor.needs_tokens:
-            processor.accept_batch(rows.tolist(), [(step * 5 + r) % 4 + 1 for r in rows.tolist()])
-    # A removed row is forgotten: it is left untouched while the remaining rows are edited.
-    for row in added[:3]:
-        processor.remove(row)
-    logits = random_logits(rows.numel())
-    edited = _apply(processor, logits, rows)
-    for index, row in enumerate(rows.tolist()):
-        if row in untouched or row in added[:3]:
-            assert torch.equal(edited[index], logits[index]), f"{name}: removed row {row} edited"
-    for row in added[3:]:
-        processor.remove(row)
-    assert not processor.is_active, f"{name}: still active after every row was removed"
-
-
-def _apply(processor: LogitsProcessor, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    if not processor.is_active:
-        return logits.clone()
-    result = processor.apply(logits.clone(), rows)
-    assert not bool(torch.isnan(result).any()), "apply produced NaN"
-    return result
