@@ -1,6 +1,6 @@
-"""oneDNN GEMMs on packed weights for a model's linear layers on a CPU (``cpu_gemm.py``): the
-same outputs as ``F.linear`` on every path, the swap keeps the checkpoint's parameters, and
-the executor packs by default on a CPU in float32 and not when told not to."""
+"""oneDNN GEMMs for a model's linear layers on a CPU (``cpu_gemm.py``): the same outputs as
+``F.linear`` on both paths, the swap keeps the checkpoint's parameters (no copy), and the
+executor swaps by default on a CPU in float32 and not when told not to."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from torch import nn
 from brigade.model_input import SeqChunk, build_model_input
 from brigade.models.create import create_model
 from brigade.plugins.executors import cpu_gemm
-from brigade.plugins.executors.cpu_gemm import PackedLinear, pack_linears
+from brigade.plugins.executors.cpu_gemm import OneDnnLinear, pack_linears
 
 pytestmark = pytest.mark.skipif(
     not cpu_gemm.onednn_usable(), reason="this torch build has no oneDNN linear op"
@@ -25,13 +25,12 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", [(1, 24), (3, 24), (7, 24), (2, 5, 24), (40, 24)])
-def test_packed_linear_equals_f_linear_below_and_above_its_threshold(
+def test_onednn_linear_equals_f_linear_below_and_above_its_threshold(
     bias: bool, shape: tuple[int, ...]
 ) -> None:
     torch.manual_seed(0)
     linear = nn.Linear(24, 33, bias=bias)
-    packed = PackedLinear(linear, min_rows=4)
-    packed.pack()
+    packed = OneDnnLinear(linear, min_rows=4)
     x = torch.randn(*shape)
     torch.testing.assert_close(packed(x), F.linear(x, linear.weight, linear.bias))
     # A strided input (a column slice, as after a split) gives the same.
@@ -39,14 +38,14 @@ def test_packed_linear_equals_f_linear_below_and_above_its_threshold(
     torch.testing.assert_close(packed(wide), F.linear(wide, linear.weight, linear.bias))
 
 
-def test_pack_linears_swaps_float32_linears_and_shares_their_parameters() -> None:
+def test_pack_linears_swaps_float32_linears_and_keeps_their_parameters() -> None:
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Sequential(nn.Linear(16, 4)))
     model.append(nn.Linear(4, 4, dtype=torch.bfloat16))
     weights = [model[0].weight, model[2][0].weight]
     assert pack_linears(model, min_rows=2) == 2
-    assert isinstance(model[0], PackedLinear)
-    assert isinstance(model[2][0], PackedLinear)
-    assert type(model[3]) is nn.Linear, "only float32 layers are packed"
+    assert isinstance(model[0], OneDnnLinear)
+    assert isinstance(model[2][0], OneDnnLinear)
+    assert type(model[3]) is nn.Linear, "only float32 layers are swapped"
     assert model[0].weight is weights[0]
     assert model[2][0].weight is weights[1]
     assert set(model.state_dict()) == {
@@ -77,11 +76,12 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
-def test_the_executor_packs_by_default_and_matches_the_plain_gemm(model_dir: Path) -> None:
-    packed = make_executor(model_dir)
+def test_the_executor_swaps_by_default_and_matches_the_plain_gemm(model_dir: Path) -> None:
+    packed = make_executor(model_dir, onednn_min_rows=2)
     plain = make_executor(model_dir, onednn_min_rows=0)
-    assert any(isinstance(m, PackedLinear) for m in packed.model.modules())  # type: ignore[attr-defined]
-    assert not any(isinstance(m, PackedLinear) for m in plain.model.modules())  # type: ignore[attr-defined]
+    assert any(isinstance(m, OneDnnLinear) for m in make_executor(model_dir).model.modules())  # type: ignore[attr-defined]
+    assert any(isinstance(m, OneDnnLinear) for m in packed.model.modules())  # type: ignore[attr-defined]
+    assert not any(isinstance(m, OneDnnLinear) for m in plain.model.modules())  # type: ignore[attr-defined]
     # An 8-token prefill takes the oneDNN path, its 1-token decode the plain one.
     page = 4
     for chunk in (SeqChunk(list(range(3, 11)), 0, [1, 2], "all"), SeqChunk([7], 8, [1, 2, 3])):

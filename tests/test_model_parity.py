@@ -86,13 +86,12 @@ VARIANTS = {
 
 
 MODES: dict[str, dict[str, Any]] = {
-    "eager": {"native_decode": True, "onednn_min_rows": 2, "fused": True},
+    "eager": {"native_decode": True, "onednn_min_rows": 1, "fused": True},
     "gather": {"native_decode": False, "onednn_min_rows": 0, "fused": False},
 }
 """How the CPU forward runs: the default fast path (decode attention in the C++ kernel that
-reads pages in place, linear layers through oneDNN on packed weights, with the threshold
-lowered so every batch but a single decode row takes it, norms/SiLU-mul/RoPE in the fused C++
-kernels), or the reference path (pages gathered for SDPA, plain GEMMs, torch's operations).
+reads pages in place, linear layers through oneDNN's matmul, norms/SiLU-mul/RoPE in the fused
+C++ kernels), or the reference path (pages gathered for SDPA, F.linear, torch's operations).
 The compiled forward is checked against the eager one in test_compiled.py."""
 
 

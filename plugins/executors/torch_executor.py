@@ -65,11 +65,11 @@ class TorchExecutorOptions:
         "(docs/benchmarks.md). Ignored on CUDA (the cuda-graph executor has its own)",
     )
     onednn_min_rows: int = option(
-        4,
-        help="on a CPU in float32, run the linear layers through oneDNN on a copy of their "
-        "weights packed at start (one more copy of the layer weights in memory) for steps of "
-        "at least this many tokens, and through the plain GEMM below that; 0 = never "
-        "(docs/benchmarks.md has the measurements behind the default). Not used with compile",
+        1,
+        help="on a CPU in float32, run the linear layers through oneDNN's matmul (on the "
+        "weights as loaded, no copy) for steps of at least this many tokens, and through "
+        "F.linear (MKL) below that; 0 = never (docs/benchmarks.md has the measurements "
+        "behind the default). Not used with compile",
         ge=0,
     )
     fused_ops: bool = option(

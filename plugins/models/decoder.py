@@ -29,6 +29,7 @@ from torch import nn
 
 from brigade.interfaces import AttentionBackend, AttentionLayer
 from brigade.plugins.attention.cpu_kernels import cpu_ops
+from brigade.plugins.executors.cpu_gemm import onednn_linear, onednn_usable
 from brigade.plugins.models.config import DecoderConfig
 from brigade.plugins.models.rope import apply_rope, rope_cos_sin
 
@@ -251,8 +252,6 @@ class DecoderForCausalLM(nn.Module):
             if config.tie_word_embeddings
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         )
-        self._head_pack: torch.Tensor | bool | None = None
-        """The LM head's weight packed for oneDNN (see ``_packed_head``); False: not used."""
         half = config.head_dim // 2
         self.rope_cos: torch.Tensor
         self.rope_sin: torch.Tensor
@@ -322,33 +321,11 @@ class DecoderForCausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[rows, hidden_size] -> float32 logits [rows, vocab_size]."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        packed = self._packed_head(weight)
-        if packed is not None:
-            try:
-                return torch.ops.mkldnn._linear_pointwise(
-                    hidden_states.contiguous(), packed, None, "none", [], ""
-                )
-            except RuntimeError:  # an op this torch build lacks: the plain GEMM from now on
-                self._head_pack = False
+        if weight.device.type == "cpu" and weight.dtype == torch.float32 and onednn_usable():
+            # The model's widest GEMM (hidden -> vocab): oneDNN runs it ~2x faster than
+            # F.linear at 1-128 rows on a CPU (docs/benchmarks.md), on the same weight.
+            return onednn_linear(hidden_states, weight)
         return F.linear(hidden_states, weight).float()
-
-    def _packed_head(self, weight: torch.Tensor) -> torch.Tensor | None:
-        """The LM head's weight in oneDNN's layout, on a CPU in float32, made on first use.
-
-        The head is the model's widest GEMM (hidden -> vocab); oneDNN runs it ~1.6x faster
-        than ``F.linear`` at 1-128 rows on a CPU (benchmarks/README: docs/benchmarks.md). It
-        costs one more copy of the head's weight (the embedding table, when tied).
-        """
-        if self._head_pack is False:
-            return None
-        if self._head_pack is None:
-            usable = (
-                weight.device.type == "cpu"
-                and weight.dtype == torch.float32
-                and torch.backends.mkldnn.is_available()
-            )
-            self._head_pack = weight.detach().to_mkldnn() if usable else False
-        return self._head_pack if isinstance(self._head_pack, torch.Tensor) else None
 
     def checkpoint_targets(self) -> dict[str, tuple[torch.Tensor, int, int]]:
         """HF checkpoint name -> (parameter, first row, rows) that tensor fills.
