@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import re
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -19,7 +20,7 @@ from brigade.errors import (
     IncompatiblePluginError,
     UnknownComponentError,
 )
-from brigade.interfaces import API_VERSION, COMPONENT_KINDS, NoOptions
+from brigade.interfaces import API_VERSION, COMPONENT_KINDS, FACTORY_ARGUMENTS, NoOptions
 from brigade.interfaces.hookspecs import PROJECT_NAME, BrigadeHookSpec
 
 __all__ = ["Component", "Registry", "default_registry", "load_registry"]
@@ -69,6 +70,7 @@ class Registry:
             self._check_api_version(kind, name, api_version)
         if not callable(factory):
             raise TypeError(f"{kind} {name!r}: factory {factory!r} is not callable")
+        _check_factory(kind, name, factory)
         options_type = NoOptions if options is None else options
         _check_options_type(kind, name, options_type)
         existing = self._components[kind].get(name)
@@ -167,6 +169,41 @@ def _parse_api_version(version: object) -> tuple[int, int]:
     if match is None:
         raise ValueError(f"not a 'MAJOR.MINOR' version: {version!r}")
     return int(match[1]), int(match[2])
+
+
+def _check_factory(kind: str, name: str, factory: Callable[..., Any]) -> None:
+    """``TypeError`` saying what is missing when ``factory`` cannot make a ``kind``: a class
+    that is not a subclass of the kind's contract or leaves abstract methods unimplemented, or
+    any factory that cannot be called with the kind's factory arguments."""
+    contract = COMPONENT_KINDS[kind]
+    if isinstance(factory, type):
+        abstract = sorted(getattr(contract, "__abstractmethods__", ()))
+        if not issubclass(factory, contract):
+            missing = [method for method in abstract if not hasattr(factory, method)]
+            raise TypeError(
+                f"{kind} {name!r}: {factory.__qualname__} does not implement the "
+                f"{contract.__name__} contract: subclass brigade.interfaces.{contract.__name__}"
+                + (f" and define {', '.join(missing)}" if missing else "")
+            )
+        if inspect.isabstract(factory):
+            left = ", ".join(sorted(factory.__abstractmethods__))
+            raise TypeError(
+                f"{kind} {name!r}: {factory.__qualname__} leaves {contract.__name__} methods "
+                f"unimplemented: {left}"
+            )
+    arguments = FACTORY_ARGUMENTS[kind]
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to check
+        return
+    try:
+        signature.bind(*arguments)
+    except TypeError:
+        taken = ", ".join(str(p).split(":")[0] for p in signature.parameters.values())
+        raise TypeError(
+            f"{kind} {name!r}: core calls the factory as factory({', '.join(arguments)}), but "
+            f"{getattr(factory, '__qualname__', factory)!r} takes ({taken})"
+        ) from None
 
 
 def _check_options_type(kind: str, name: str, options_type: type) -> None:

@@ -58,9 +58,22 @@ COMPONENT_KINDS: dict[str, type] = {
 }
 """Every component kind and the contract its implementations fulfil."""
 
+FACTORY_ARGUMENTS: dict[str, tuple[str, ...]] = {
+    "scheduler": ("params", "kv", "options"),
+    "kv": ("pool_params", "options"),
+    "executor": ("executor_params", "options"),
+    "attention": ("options",),
+    "sampler": ("sampler_params", "options"),
+    "logits_processor": ("sampler_params", "options"),
+    "detokenizer": ("tokenizer", "options"),
+    "model": (),
+}
+"""How core calls each kind's factory (positional arguments, in order)."""
+
 __all__ = [
     "API_VERSION",
     "COMPONENT_KINDS",
+    "FACTORY_ARGUMENTS",
     "STRUCTURED_OUTPUT_KINDS",
     "Allocation",
     "AttentionBackend",

@@ -123,6 +123,9 @@ class WideOptions:
 class WidePagesBackend(AttentionBackend):
     """A backend that reads only pages that are multiples of 256 (like flash-attn's)."""
 
+    def __init__(self, options: WideOptions) -> None:
+        self.options = options
+
     @classmethod
     def supported_page_sizes(cls, options: WideOptions) -> PageSizeRule:
         return PageSizeRule(multiple_of=options.block, minimum=options.block)

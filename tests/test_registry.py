@@ -10,7 +10,7 @@ from plugin_fakes import install_fake_plugin
 
 from brigade.cli import main
 from brigade.errors import DuplicateComponentError, UnknownComponentError
-from brigade.interfaces import NoOptions, option
+from brigade.interfaces import NoOptions, Scheduler, option
 from brigade.registry import Registry, load_registry
 
 
@@ -19,9 +19,9 @@ class ShortestFirstOptions:
     max_wait_steps: int = option(100, help="age after which a long job runs anyway", ge=1)
 
 
-class ShortestFirst:
-    def __init__(self, *args: object) -> None:
-        self.args = args
+def shortest_first(*args: object) -> tuple[object, ...]:
+    """A factory that accepts any kind's arguments (these tests never build it)."""
+    return args
 
 
 def test_builtins_are_registered_through_the_entry_point() -> None:
@@ -36,17 +36,17 @@ def test_third_party_entry_point_is_discovered(monkeypatch: pytest.MonkeyPatch) 
     install_fake_plugin(
         monkeypatch,
         "brigade-fake-sjf",
-        lambda r: r.add("scheduler", "fake-sjf", ShortestFirst, options=ShortestFirstOptions),
+        lambda r: r.add("scheduler", "fake-sjf", shortest_first, options=ShortestFirstOptions),
     )
     component = load_registry().get("scheduler", "fake-sjf")
-    assert component.factory is ShortestFirst
+    assert component.factory is shortest_first
     assert component.options_type is ShortestFirstOptions
     assert component.distribution == "brigade-fake-sjf 1.2.3"
 
 
 def test_duplicate_name_fails_naming_both_distributions(monkeypatch: pytest.MonkeyPatch) -> None:
     install_fake_plugin(
-        monkeypatch, "brigade-evil-sdpa", lambda r: r.add("attention", "sdpa", ShortestFirst)
+        monkeypatch, "brigade-evil-sdpa", lambda r: r.add("attention", "sdpa", shortest_first)
     )
     with pytest.raises(DuplicateComponentError) as excinfo:
         load_registry()
@@ -65,10 +65,10 @@ def test_unknown_name_lists_registered_names() -> None:
 @pytest.mark.parametrize(
     ("kind", "name", "factory", "options", "error", "match"),
     [
-        ("stove", "x", ShortestFirst, None, ValueError, "unknown component kind 'stove'"),
-        ("scheduler", "", ShortestFirst, None, ValueError, "non-empty"),
+        ("stove", "x", shortest_first, None, ValueError, "unknown component kind 'stove'"),
+        ("scheduler", "", shortest_first, None, ValueError, "non-empty"),
         ("scheduler", "x", 42, None, TypeError, "not callable"),
-        ("scheduler", "x", ShortestFirst, dict, TypeError, "must be a dataclass"),
+        ("scheduler", "x", shortest_first, dict, TypeError, "must be a dataclass"),
     ],
 )
 def test_bad_registrations_fail_loudly(
@@ -84,12 +84,12 @@ def test_options_without_defaults_are_refused() -> None:
         window: int
 
     with pytest.raises(TypeError, match="every option needs a default; missing for window"):
-        Registry().add("scheduler", "x", ShortestFirst, options=NeedsValue)
+        Registry().add("scheduler", "x", shortest_first, options=NeedsValue)
 
 
 def test_no_options_defaults_to_empty_schema() -> None:
     registry = Registry()
-    registry.add("sampler", "plain", ShortestFirst)
+    registry.add("sampler", "plain", shortest_first)
     assert registry.get("sampler", "plain").options_type is NoOptions
 
 
@@ -99,7 +99,7 @@ def test_plugins_command_lists_kind_name_distribution_and_defaults(
     install_fake_plugin(
         monkeypatch,
         "brigade-fake-sjf",
-        lambda r: r.add("scheduler", "fake-sjf", ShortestFirst, options=ShortestFirstOptions),
+        lambda r: r.add("scheduler", "fake-sjf", shortest_first, options=ShortestFirstOptions),
     )
     from brigade import registry as registry_module
 
@@ -119,3 +119,55 @@ def test_plugins_command_lists_kind_name_distribution_and_defaults(
     executor = by_name[("executor", "torch")]
     assert executor["distribution"].startswith("brigade-llm")
     assert executor["options"]["device"] == "auto"
+
+
+class _HalfScheduler(Scheduler):
+    """A Scheduler that forgot most of its methods."""
+
+    def __init__(self, params: object, kv: object, options: object) -> None:
+        pass
+
+    def add(self, request: object) -> None:
+        pass
+
+
+class _NotAScheduler:
+    def __init__(self, params: object, kv: object, options: object) -> None:
+        pass
+
+    def schedule(self) -> None:
+        pass
+
+
+def _two_arguments(params: object, options: object) -> object:
+    return params
+
+
+@pytest.mark.parametrize(
+    ("factory", "match"),
+    [
+        (
+            _NotAScheduler,
+            r"does not implement the Scheduler contract: subclass "
+            r"brigade.interfaces.Scheduler and define abort, add, has_unfinished, stats, update",
+        ),
+        (
+            _HalfScheduler,
+            r"leaves Scheduler methods unimplemented: abort, has_unfinished, "
+            r"schedule, stats, update",
+        ),
+        (
+            _two_arguments,
+            r"core calls the factory as factory\(params, kv, options\), but "
+            r"'_two_arguments' takes \(params, options\)",
+        ),
+    ],
+)
+def test_a_factory_is_checked_against_its_kinds_contract(factory: object, match: str) -> None:
+    with pytest.raises(TypeError, match=match):
+        Registry().add("scheduler", "broken", factory)
+
+
+def test_every_builtin_passes_the_contract_check() -> None:
+    registry = load_registry()  # each add() ran the check
+    assert len(list(registry)) > 10
