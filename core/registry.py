@@ -186,7 +186,7 @@ def _check_factory(kind: str, name: str, factory: Callable[..., Any]) -> None:
                 + (f" and define {', '.join(missing)}" if missing else "")
             )
         if inspect.isabstract(factory):
-            left = ", ".join(sorted(factory.__abstractmethods__))
+            left = ", ".join(sorted(getattr(factory, "__abstractmethods__", ())))
             raise TypeError(
                 f"{kind} {name!r}: {factory.__qualname__} leaves {contract.__name__} methods "
                 f"unimplemented: {left}"
