@@ -136,7 +136,7 @@ class EngineCore:
             self.kv,
             config["scheduler"].options,
         )
-        self.device = torch.device(getattr(self.executor, "device", "cpu"))
+        self.device = torch.device(self.executor.device)
         self.sampler_name = config.plugin("sampler")
         self.sampler: Sampler = build_sampler(
             config,

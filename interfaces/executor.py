@@ -67,6 +67,12 @@ class Executor(abc.ABC):
     """True: :meth:`execute` returns the chosen token ids ``[S]`` (int64) instead of logits,
     and core skips logits processors and the sampler (e.g. a simulator with no weights)."""
 
+    @property
+    @abc.abstractmethod
+    def device(self) -> torch.device:
+        """Where this executor's logits (or token ids) live; core samples on this device
+        (API 2.0: before, core assumed the CPU when an executor had no ``device``)."""
+
     @abc.abstractmethod
     def kv_cache_spec(self) -> KVCacheSpec:
         """Describe the KV cache this model needs per page and the memory left for it."""

@@ -256,6 +256,11 @@ class SimulatedExecutor(Executor):
         self.last_step_s = 0.0
         self.num_pages = 0
 
+    @property
+    def device(self) -> torch.device:
+        """The CPU: the simulator returns token ids on the host."""
+        return torch.device("cpu")
+
     def kv_cache_spec(self) -> KVCacheSpec:
         """bf16 K and V of every layer per page; GPU memory minus the weights is free."""
         return KVCacheSpec(

@@ -119,7 +119,7 @@ class TorchExecutor(Executor):
 
     def __init__(self, params: ExecutorParams, options: TorchExecutorOptions) -> None:
         self.params = params
-        self.device = resolve_device(options.device)
+        self._device = resolve_device(options.device)
         if options.num_threads:
             torch.set_num_threads(options.num_threads)  # process-wide, as torch allows
         self.attention = params.attention
@@ -159,6 +159,11 @@ class TorchExecutor(Executor):
         self.num_pages = 0
         self.host_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         """Swap pages in host memory (ids ``num_pages`` and up)."""
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the weights, the KV pool and the logits."""
+        return self._device
 
     def _layer_shape(self, num_pages: int, index: int) -> tuple[int, ...]:
         layer = self.model.attention_layers[index]
