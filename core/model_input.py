@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
 from brigade.interfaces import ModelInput
 
-__all__ = ["LogitsWanted", "SeqChunk", "build_model_input", "model_input_to"]
+__all__ = ["LogitsWanted", "SeqChunk", "build_model_input"]
 
 LogitsWanted = Literal["last", "all", "none"]
 _LOGITS_WANTED = ("last", "all", "none")
@@ -136,16 +136,3 @@ def _check_chunks(seqs: Sequence[SeqChunk], page_size: int) -> None:
                 "(one new token after a cached context) before the prefill chunks"
             )
         seen_prefill = seen_prefill or not seq.is_decode
-
-
-def model_input_to(
-    batch: ModelInput, device: torch.device | str, *, non_blocking: bool = False
-) -> ModelInput:
-    """``batch`` with its device tensors on ``device``; the ``*_cpu`` host copies stay."""
-    moved: dict[str, Any] = {
-        field.name: value.to(device, non_blocking=non_blocking)
-        for field in dataclasses.fields(batch)
-        if isinstance(value := getattr(batch, field.name), torch.Tensor)
-        and not field.name.endswith("_cpu")
-    }
-    return dataclasses.replace(batch, **moved)

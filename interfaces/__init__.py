@@ -27,7 +27,7 @@ from brigade.interfaces.detokenizer import Detokenizer, TextDelta
 from brigade.interfaces.executor import Executor, ExecutorParams, KVCacheSpec
 from brigade.interfaces.hookspecs import BrigadeHookSpec, ComponentRegistry, hookimpl
 from brigade.interfaces.kv import Allocation, KVManager, KVPoolParams, KVStats
-from brigade.interfaces.model import CausalLM, Checkpoint, ModelArchitecture
+from brigade.interfaces.model import CausalLM, Checkpoint, ModelArchitecture, SplitCausalLM
 from brigade.interfaces.options import NoOptions, option
 from brigade.interfaces.request import Request, RequestStatus, ScheduledRequest, SchedulerOutput
 from brigade.interfaces.sampler import (
@@ -106,6 +106,7 @@ __all__ = [
     "SchedulerOutput",
     "SchedulerParams",
     "SchedulerStats",
+    "SplitCausalLM",
     "StructuredOutput",
     "TextDelta",
     "hookimpl",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -59,3 +59,15 @@ class ModelInput:
     def is_pure_decode(self) -> bool:
         """Every row has one new token."""
         return self.num_decodes == self.num_reqs
+
+    def to(self, device: torch.device | str, *, non_blocking: bool = False) -> ModelInput:
+        """This batch with its device tensors on ``device``; the ``*_cpu`` host copies stay."""
+        import torch  # at call time: the contracts import no torch at module load
+
+        moved: dict[str, Any] = {
+            field.name: value.to(device, non_blocking=non_blocking)
+            for field in dataclasses.fields(self)
+            if not field.name.endswith("_cpu")
+            and isinstance(value := getattr(self, field.name), torch.Tensor)
+        }
+        return dataclasses.replace(self, **moved)

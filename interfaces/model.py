@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
 
     from brigade.interfaces.attention import AttentionBackend, AttentionLayer
 
-__all__ = ["CausalLM", "Checkpoint", "ModelArchitecture"]
+__all__ = ["CausalLM", "Checkpoint", "ModelArchitecture", "SplitCausalLM"]
 
 
 class Checkpoint(abc.ABC):
@@ -87,6 +87,49 @@ class CausalLM(Protocol):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden_size] -> [num_rows, vocab_size] float logits."""
+        ...
+
+
+@runtime_checkable
+class SplitCausalLM(CausalLM, Protocol):
+    """The piecewise capability of a :class:`CausalLM`: its forward is ``embed``, then per
+    layer ``attention_input`` -> ``attend`` -> ``finish_layer``, then ``final_norm`` (the
+    decoder in ``brigade.plugins.models`` has it). Executors that cut the forward at attention
+    (piecewise CUDA graphs, the compiled CPU forward) check for it with ``isinstance``; a model
+    without it runs whole."""
+
+    def embed(
+        self, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[T] ids and positions -> (residual stream [T, H], RoPE cos, sin [T, D/2])."""
+        ...
+
+    def attention_input(
+        self, index: int, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer ``index``: residual stream -> q [T, heads, D], k, v [T, kv_heads, D]."""
+        ...
+
+    def attend(
+        self,
+        index: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        attn_metadata: Any,
+    ) -> torch.Tensor:
+        """Layer ``index``'s attention (writes K/V): -> [T, heads, D]."""
+        ...
+
+    def finish_layer(
+        self, index: int, hidden: torch.Tensor, attention: torch.Tensor
+    ) -> torch.Tensor:
+        """Layer ``index``: residual stream and attention output -> next residual stream."""
+        ...
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[T, H] -> the hidden states ``compute_logits`` reads."""
         ...
 
 

@@ -18,7 +18,7 @@ import torch
 
 from brigade.errors import ConfigError
 from brigade.interfaces import AttentionBackend, ExecutorParams, ModelInput, NoOptions
-from brigade.model_input import SeqChunk, build_model_input, model_input_to
+from brigade.model_input import SeqChunk, build_model_input
 from brigade.models.create import create_model
 from brigade.options import build_options
 from brigade.plugins.attention.sdpa import SdpaBackend
@@ -134,7 +134,7 @@ def test_padding_rows_change_no_real_page_nor_real_output(backend: AttentionBack
         torch.cat([pool, torch.randn(1, *pool.shape[1:], generator=generator)]).to(device)
         for pool in case.kv_cache
     )
-    host_batch = model_input_to(case.batch, "cpu")
+    host_batch = case.batch.to("cpu")
     padded = pad_decode_input(host_batch, 8, max_pages=8, scratch_page=scratch)
     # As at capture: host maxima of the longest context a replay may bring.
     padded = dataclasses.replace(
@@ -147,7 +147,7 @@ def test_padding_rows_change_no_real_page_nor_real_output(backend: AttentionBack
 
     query, key, value = (pad_rows(t) for t in (case.query, case.key, case.value))
     kv_cache = (pools[0].clone(), pools[1].clone())
-    metadata = backend.build_metadata(model_input_to(padded, device))
+    metadata = backend.build_metadata(padded.to(device))
     output = backend.forward(case.layer, query, key, value, kv_cache, metadata)
 
     torch.testing.assert_close(output[:3].double().cpu(), naive_attention(case), atol=2e-5, rtol=0)

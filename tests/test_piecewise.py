@@ -21,7 +21,14 @@ import torch
 
 from brigade import LLM, SamplingParams
 from brigade.errors import ConfigError
-from brigade.interfaces import AttentionBackend, ExecutorParams, ModelInput, NoOptions, option
+from brigade.interfaces import (
+    AttentionBackend,
+    ExecutorParams,
+    ModelInput,
+    NoOptions,
+    SplitCausalLM,
+    option,
+)
 from brigade.model_input import SeqChunk, build_model_input
 from brigade.models.create import create_model
 from brigade.options import build_options
@@ -29,7 +36,7 @@ from brigade.plugins.attention.sdpa import SdpaBackend
 from brigade.plugins.executors import cuda_graph
 from brigade.plugins.executors.cuda_graph import CudaGraphExecutor, CudaGraphExecutorOptions
 from brigade.plugins.executors.graph_runner import RerunGraphRunner
-from brigade.plugins.executors.piecewise import PiecewiseGraphs, SplitModel
+from brigade.plugins.executors.piecewise import PiecewiseGraphs
 from brigade.plugins.executors.torch_executor import TorchExecutor, TorchExecutorOptions
 from brigade.registry import load_registry
 from brigade.testing.parity import assert_same_greedy_outputs
@@ -137,9 +144,9 @@ def test_a_model_that_does_not_split_at_attention_runs_mixed_steps_eagerly(
 ) -> None:
     assert isinstance(
         TorchExecutor(params(models["llama"]), TorchExecutorOptions(device="cpu")).model,
-        SplitModel,
+        SplitCausalLM,
     )
-    monkeypatch.setattr(cuda_graph, "SplitModel", _SplitMore)
+    monkeypatch.setattr(cuda_graph, "SplitCausalLM", _SplitMore)
     _eager, graphed = executors(models["llama"])
     assert graphed.pieces is None
     assert "does not split at attention; steps with prefill chunks run eagerly" in caplog.text
@@ -232,7 +239,7 @@ def test_attention_sees_only_the_real_tokens_with_the_steps_metadata(
 ) -> None:
     _eager, graphed = executors(models["llama"])
     model = graphed.model
-    assert isinstance(model, SplitModel)
+    assert isinstance(model, SplitCausalLM)
     attend = model.attend
     seen: list[tuple[int, int, int, int, int, int]] = []
 

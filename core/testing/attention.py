@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from brigade.interfaces import AttentionBackend, AttentionLayer, ModelInput
-from brigade.model_input import SeqChunk, build_model_input, model_input_to
+from brigade.model_input import SeqChunk, build_model_input
 
 __all__ = ["AttentionCase", "naive_attention", "random_attention_case", "run_backend"]
 
@@ -107,7 +107,7 @@ def random_attention_case(
     )
     return AttentionCase(
         layer=layer,
-        batch=model_input_to(batch, device),
+        batch=batch.to(device),
         query=randn(batch.num_tokens, num_heads, head_dim).to(device),
         key=new_keys.to(device),
         value=new_values.to(device),

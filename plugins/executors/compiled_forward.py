@@ -25,7 +25,7 @@ import torch
 import torch._dynamo
 
 from brigade.cache import cache_root
-from brigade.plugins.executors.piecewise import SplitModel
+from brigade.interfaces import SplitCausalLM
 
 __all__ = ["CompiledForward"]
 
@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Step:
-    model: SplitModel
+    model: SplitCausalLM
     metadata: Any
 
 
@@ -82,7 +82,7 @@ class CompiledForward:
 
     def __init__(
         self,
-        model: SplitModel,
+        model: SplitCausalLM,
         num_layers: int,
         *,
         eager: Callable[..., torch.Tensor],

@@ -15,7 +15,7 @@ This class adds two kinds of graphs, captured when the KV pool is allocated:
   decode batch: the dense work between attention calls is captured per token bucket and
   attention runs eagerly on the real tokens with the step's own metadata (:mod:`piecewise`).
   Any attention backend works, since attention is never captured. The model must split at
-  attention (:class:`~brigade.plugins.executors.piecewise.SplitModel`; brigade's decoder does).
+  attention (:class:`~brigade.interfaces.SplitCausalLM`; brigade's decoder does).
 
 Steps larger than every bucket run eagerly. How graphs are captured is injectable
 (:mod:`graph_runner`), so all of this runs on a CPU in tests with graphs imitated.
@@ -31,8 +31,7 @@ from typing import Any
 
 import torch
 
-from brigade.interfaces import ExecutorParams, ModelInput, option
-from brigade.model_input import model_input_to
+from brigade.interfaces import ExecutorParams, ModelInput, SplitCausalLM, option
 from brigade.plugins.executors.graph_padding import (
     check_capture_sizes,
     graph_bucket,
@@ -40,7 +39,7 @@ from brigade.plugins.executors.graph_padding import (
     padding_input,
 )
 from brigade.plugins.executors.graph_runner import CapturedGraph, CudaGraphRunner, GraphRunner
-from brigade.plugins.executors.piecewise import PiecewiseGraphs, SplitModel
+from brigade.plugins.executors.piecewise import PiecewiseGraphs
 from brigade.plugins.executors.torch_executor import TorchExecutor, TorchExecutorOptions
 
 __all__ = ["CudaGraphExecutor", "CudaGraphExecutorOptions"]
@@ -115,7 +114,7 @@ class CudaGraphExecutor(TorchExecutor):
                 " (piecewise graphs still run its steps)" if options.piecewise else "",
             )
         self.pieces: PiecewiseGraphs | None = None
-        if options.piecewise and isinstance(self.model, SplitModel):
+        if options.piecewise and isinstance(self.model, SplitCausalLM):
             self.pieces = PiecewiseGraphs(
                 self.model,
                 len(self.model.attention_layers),
@@ -172,7 +171,7 @@ class CudaGraphExecutor(TorchExecutor):
         template = padding_input(
             largest, self.max_pages, self.scratch_page, self.params.page_size, self.max_model_len
         )
-        self._static = model_input_to(template, self.device)
+        self._static = template.to(self.device)
         for size in reversed(self.capture_sizes):  # largest first: the rest reuse its pool
             step = functools.partial(self.compute_logits, self._static_input(size))
             with torch.inference_mode():

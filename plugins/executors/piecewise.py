@@ -26,55 +26,17 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 
-from brigade.interfaces import ModelInput
+from brigade.interfaces import ModelInput, SplitCausalLM
 from brigade.plugins.executors.graph_padding import bucket_for, check_capture_sizes
 from brigade.plugins.executors.graph_runner import CapturedGraph, GraphFn, GraphRunner
 
-__all__ = ["PiecewiseBuffers", "PiecewiseGraphs", "SplitModel"]
+__all__ = ["PiecewiseBuffers", "PiecewiseGraphs"]
 
 Tensors3 = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-
-
-@runtime_checkable
-class SplitModel(Protocol):
-    """A model whose forward is ``embed``, then per layer ``attention_input`` -> ``attend`` ->
-    ``finish_layer``, then ``final_norm`` (the decoder in ``brigade.plugins.models``)."""
-
-    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> Tensors3:
-        """[T] ids and positions -> (residual stream [T, H], RoPE cos, sin [T, D/2])."""
-        ...
-
-    def attention_input(
-        self, index: int, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> Tensors3:
-        """Layer ``index``: residual stream -> q [T, heads, D], k, v [T, kv_heads, D]."""
-        ...
-
-    def attend(
-        self,
-        index: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        attn_metadata: Any,
-    ) -> torch.Tensor:
-        """Layer ``index``'s attention (writes K/V): -> [T, heads, D]."""
-        ...
-
-    def finish_layer(
-        self, index: int, hidden: torch.Tensor, attention: torch.Tensor
-    ) -> torch.Tensor:
-        """Layer ``index``: residual stream and attention output -> next residual stream."""
-        ...
-
-    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[T, H] -> the hidden states ``compute_logits`` reads."""
-        ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +63,7 @@ class PiecewiseBuffers:
     """[rows, heads, D] the last attention's output (real rows written per step)."""
 
     @classmethod
-    def allocate(cls, model: SplitModel, rows: int, device: torch.device) -> PiecewiseBuffers:
+    def allocate(cls, model: SplitCausalLM, rows: int, device: torch.device) -> PiecewiseBuffers:
         """Buffers shaped like the model's own pieces, found by running piece 0 on one token."""
         ids = torch.zeros(1, dtype=torch.int64, device=device)
         hidden, cos, sin = model.embed(ids, ids)
@@ -128,7 +90,7 @@ class PiecewiseGraphs:
 
     def __init__(
         self,
-        model: SplitModel,
+        model: SplitCausalLM,
         num_layers: int,
         capture_tokens: Sequence[int],
         runner: GraphRunner,

@@ -20,13 +20,13 @@ from brigade.interfaces import (
     KVCacheSpec,
     ModelArchitecture,
     ModelInput,
+    SplitCausalLM,
     option,
 )
-from brigade.model_input import SeqChunk, build_model_input, model_input_to
+from brigade.model_input import SeqChunk, build_model_input
 from brigade.models.checkpoint import open_checkpoint
 from brigade.models.loader import DTYPES, resolve_dtype
 from brigade.plugins.executors.cpu_gemm import pack_linears
-from brigade.plugins.executors.piecewise import SplitModel
 from brigade.plugins.models.decoder import CpuFusion
 
 if TYPE_CHECKING:
@@ -148,7 +148,7 @@ class TorchExecutor(Executor):
         self.compiled: CompiledForward | None = None
         """The compiled forward on a CPU (``compile`` option), else None."""
         num_layers = len(self.model.attention_layers)
-        if options.compile and self.device.type == "cpu" and isinstance(self.model, SplitModel):
+        if options.compile and self.device.type == "cpu" and isinstance(self.model, SplitCausalLM):
             from brigade.plugins.executors.compiled_forward import CompiledForward
 
             self.compiled = CompiledForward(self.model, num_layers, eager=self.forward_fn)
@@ -252,7 +252,7 @@ class TorchExecutor(Executor):
         self.check_batch(batch)
         if self._unzeroed is not None:
             self._zero_fresh_pages(self._unzeroed, batch.slot_mapping // batch.page_size)
-        return model_input_to(batch, self.device, non_blocking=True)
+        return batch.to(self.device, non_blocking=True)
 
     def check_batch(self, batch: ModelInput) -> None:
         """``RuntimeError`` before :meth:`initialize_kv_cache`, ``ValueError`` on a page size
