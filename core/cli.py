@@ -165,6 +165,12 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="write latency CDFs (and sweep curves) as PNG here; needs brigade-llm[bench]",
     )
+    bench.add_argument(
+        "--by",
+        metavar="FIELD",
+        help="also break latency, goodput and deadline misses down by this extra field of "
+        "the requests (e.g. priority_class)",
+    )
     bench.add_argument("--quiet", action="store_true", help="no progress bar")
     http = bench.add_argument_group("HTTP endpoints (any OpenAI-compatible server)")
     http.add_argument(
@@ -396,4 +402,5 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         sweep=args.sweep,
         plot_dir=args.plot,
         quiet=args.quiet,
+        by=args.by,
     )

@@ -10,7 +10,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -21,6 +21,7 @@ from brigade.config import EngineConfig, check_config
 from brigade.errors import ConfigError, EngineDeadError, RequestError, RequestFailedError
 from brigade.hooks import notify_request_finished
 from brigade.interfaces import (
+    ExtraValue,
     KVManager,
     KVPoolParams,
     LogitsProcessor,
@@ -32,6 +33,7 @@ from brigade.interfaces import (
     Scheduler,
     SchedulerOutput,
     SchedulerParams,
+    freeze_extra,
 )
 from brigade.persistent_batch import PersistentBatch, StepPlan
 from brigade.registry import Registry
@@ -88,11 +90,25 @@ class _FatalStepError(Exception):
 
 
 class EngineCore:
-    """Owns the scheduler, KV manager, executor, sampler and the persistent batch."""
+    """Owns the scheduler, KV manager, executor, sampler and the persistent batch.
 
-    def __init__(self, config: EngineConfig, registry: Registry) -> None:
+    ``clock`` is the engine clock, seconds as a float: every request's ``arrival_time`` and
+    ``first_scheduled_time`` (so queue times) come from it, and the scheduler reads it as
+    ``SchedulerParams.clock``. The simulator passes its virtual clock; by default it is
+    ``time.monotonic``.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        registry: Registry,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         started = time.perf_counter()
         self.config = config
+        self.clock = clock
+        """The engine clock (read it, do not replace it: the scheduler holds it too)."""
         self.hook = registry.hook
         self.checkpoint = open_model(config)
         # Cross-station rules and the model's config and tokenizer, before loading weights.
@@ -132,6 +148,7 @@ class EngineCore:
                 enable_chunked_prefill=settings.enable_chunked_prefill,
                 preemption=settings.preemption,
                 host_pages=model.host_pages,
+                clock=clock,
             ),
             self.kv,
             config["scheduler"].options,
@@ -226,18 +243,28 @@ class EngineCore:
         params: SamplingParams,
         *,
         priority: int = 0,
+        extra: Mapping[str, ExtraValue] | None = None,
     ) -> Request:
-        """Validate and queue a request; it runs from the next step on."""
+        """Validate and queue a request; it runs from the next step on.
+
+        ``extra`` is per-request data for plugins (``Request.extra``): str keys, JSON values.
+        Its arrival time is now on the engine clock.
+        """
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in the engine")
         self.validate(prompt_token_ids, params)
+        try:
+            extra_data = freeze_extra(extra)
+        except ValueError as exc:
+            raise RequestError(str(exc), param="extra") from None
         request = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
             sampling_params=params,
             eos_token_ids=self.eos_token_ids,
-            arrival_time=time.monotonic(),
+            arrival_time=self.clock(),
             priority=priority,
+            extra=extra_data,
         )
         gate = self.prepare(params)
         if gate is not None:
@@ -493,7 +520,7 @@ class EngineCore:
     def _take_row(self, request: Request) -> str | None:
         """Give ``request`` a batch row; the reason when it cannot have one."""
         if request.first_scheduled_time is None:
-            request.first_scheduled_time = time.monotonic()
+            request.first_scheduled_time = self.clock()
             self._queue_time_total += request.first_scheduled_time - request.arrival_time
             self._num_scheduled += 1
         try:

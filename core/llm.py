@@ -11,7 +11,7 @@ from typing import Any, cast
 from brigade.config import EngineConfig, load_config
 from brigade.engine import EngineCore, TokenLogprob
 from brigade.errors import RequestError
-from brigade.interfaces import Detokenizer, Request, SamplingParams
+from brigade.interfaces import Detokenizer, ExtraValue, Request, SamplingParams, freeze_extra
 from brigade.models.checkpoint import require_tokenizer
 from brigade.models.tokenizer_loading import render_chat_prompt
 from brigade.registry import Registry, default_registry
@@ -90,12 +90,15 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         priority: int | Sequence[int] = 0,
+        extra: Mapping[str, object] | Sequence[Mapping[str, object] | None] | None = None,
         use_tqdm: bool | None = None,
     ) -> list[RequestOutput]:
         """Complete every prompt (text, or a list of token ids); outputs in prompt order.
 
         ``priority`` is one value for all prompts or one per prompt; lower runs first under
-        the ``priority`` scheduler (FCFS ignores it). Every prompt is validated before any
+        the ``priority`` scheduler (FCFS ignores it). ``extra`` is data for plugins
+        (``Request.extra``: str keys, JSON values, e.g. ``{"deadline_s": 2.0}``), one mapping
+        for all prompts or a list of one per prompt. Every prompt is validated before any
         runs: a bad one raises ``RequestError`` and nothing is generated. A request that
         fails on its own while the batch runs gets ``finish_reason`` "error" and its
         ``error``; the others finish as they would have alone. ``EngineDeadError`` means the
@@ -108,6 +111,7 @@ class LLM:
             priorities = [int(p) for p in priority]
         else:
             raise RequestError(f"{len(priority)} priorities for {len(prompt_list)} prompts")
+        extras = _extra_per_prompt(extra, len(prompt_list))
         if isinstance(sampling_params, Sequence):
             if len(sampling_params) != len(prompt_list):
                 raise RequestError(
@@ -125,8 +129,8 @@ class LLM:
         self._check_grammars(params_list)
         results: list[RequestOutput] = []
         tracked: dict[str, _Tracked] = {}
-        for prompt, token_ids, params, level in zip(
-            prompt_list, encoded, params_list, priorities, strict=True
+        for prompt, token_ids, params, level, data in zip(
+            prompt_list, encoded, params_list, priorities, extras, strict=True
         ):
             base = str(next(self._ids))
             result = RequestOutput(base, prompt if isinstance(prompt, str) else None, token_ids, [])
@@ -135,7 +139,7 @@ class LLM:
                 if params.n > 1 and params.seed is not None:
                     child_params = dataclasses.replace(params, seed=params.seed + child)
                 request = self.engine.add_request(
-                    f"{base}-{child}", token_ids, child_params, priority=level
+                    f"{base}-{child}", token_ids, child_params, priority=level, extra=data
                 )
                 completion = CompletionOutput(child, "", [], None)
                 if params.logprobs is not None:
@@ -255,6 +259,24 @@ class LLM:
         entry.output.text += self.detokenizer.finish(entry.state).text
         entry.output.finish_reason = request.status.value
         entry.finished = True
+
+
+def _extra_per_prompt(
+    extra: Mapping[str, object] | Sequence[Mapping[str, object] | None] | None, num_prompts: int
+) -> list[Mapping[str, ExtraValue]]:
+    """One frozen ``extra`` per prompt; ``RequestError`` names a bad one."""
+    try:
+        if extra is None or isinstance(extra, Mapping):
+            return [freeze_extra(extra)] * num_prompts
+        if not isinstance(extra, Sequence) or isinstance(extra, str | bytes):
+            raise ValueError(
+                f"extra must be a mapping or a list of one per prompt, got {type(extra).__name__}"
+            )
+        if len(extra) != num_prompts:
+            raise ValueError(f"{len(extra)} extra mappings for {num_prompts} prompts")
+        return [freeze_extra(data, name=f"extra[{index}]") for index, data in enumerate(extra)]
+    except ValueError as exc:
+        raise RequestError(str(exc), param="extra") from None
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

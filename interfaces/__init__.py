@@ -29,7 +29,15 @@ from brigade.interfaces.hookspecs import BrigadeHookSpec, ComponentRegistry, hoo
 from brigade.interfaces.kv import Allocation, KVManager, KVPoolParams, KVStats
 from brigade.interfaces.model import CausalLM, Checkpoint, ModelArchitecture, SplitCausalLM
 from brigade.interfaces.options import NoOptions, option
-from brigade.interfaces.request import Request, RequestStatus, ScheduledRequest, SchedulerOutput
+from brigade.interfaces.request import (
+    EMPTY_EXTRA,
+    ExtraValue,
+    Request,
+    RequestStatus,
+    ScheduledRequest,
+    SchedulerOutput,
+    freeze_extra,
+)
 from brigade.interfaces.sampler import (
     LogitsProcessor,
     SampleOutput,
@@ -40,7 +48,7 @@ from brigade.interfaces.sampler import (
 from brigade.interfaces.sampling import STRUCTURED_OUTPUT_KINDS, SamplingParams, StructuredOutput
 from brigade.interfaces.scheduler import Scheduler, SchedulerParams, SchedulerStats
 
-API_VERSION = "1.2"
+API_VERSION = "1.3"
 """The plugin API version, "MAJOR.MINOR". MINOR grows when contracts gain backwards-compatible
 additions (a new optional method, a new field with a default): a plugin built for 1.0 runs on
 1.3, one built for 1.3 is refused by 1.0. MAJOR grows on any change that can break an existing
@@ -73,6 +81,7 @@ FACTORY_ARGUMENTS: dict[str, tuple[str, ...]] = {
 __all__ = [
     "API_VERSION",
     "COMPONENT_KINDS",
+    "EMPTY_EXTRA",
     "FACTORY_ARGUMENTS",
     "STRUCTURED_OUTPUT_KINDS",
     "Allocation",
@@ -85,6 +94,7 @@ __all__ = [
     "Detokenizer",
     "Executor",
     "ExecutorParams",
+    "ExtraValue",
     "KVCacheSpec",
     "KVManager",
     "KVPoolParams",
@@ -109,6 +119,7 @@ __all__ = [
     "SplitCausalLM",
     "StructuredOutput",
     "TextDelta",
+    "freeze_extra",
     "hookimpl",
     "option",
 ]

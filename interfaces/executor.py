@@ -66,6 +66,11 @@ class Executor(abc.ABC):
     returns_token_ids: ClassVar[bool] = False
     """True: :meth:`execute` returns the chosen token ids ``[S]`` (int64) instead of logits,
     and core skips logits processors and the sampler (e.g. a simulator with no weights)."""
+    models_time: ClassVar[bool] = False
+    """True: :meth:`execute` does not spend a step's time but models it, and
+    :meth:`modelled_time_s` says how much (the ``simulated`` executor). A driver that runs the
+    engine in virtual time (``brigade.bench.simulate``) needs such an executor and advances the
+    engine clock by it (API 1.3)."""
 
     @property
     @abc.abstractmethod
@@ -102,6 +107,12 @@ class Executor(abc.ABC):
         Executors that set ``supports_copy_pages`` implement this.
         """
         raise NotImplementedError(f"{type(self).__name__} does not support copy_pages")
+
+    def modelled_time_s(self) -> float:
+        """Seconds every :meth:`execute` so far would have taken on the modelled hardware, in
+        total (0.0 before the first; it only grows). Executors that set ``models_time``
+        implement this."""
+        raise NotImplementedError(f"{type(self).__name__} does not model time")
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook with a no-op default
         """Release devices, processes and memory; the executor is unusable afterwards."""

@@ -4,10 +4,85 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
+import types
+from collections.abc import Mapping
+from typing import Any, TypeAlias
 
 from brigade.interfaces.sampling import SamplingParams
 
-__all__ = ["Request", "RequestStatus", "ScheduledRequest", "SchedulerOutput"]
+__all__ = [
+    "EMPTY_EXTRA",
+    "ExtraValue",
+    "Request",
+    "RequestStatus",
+    "ScheduledRequest",
+    "SchedulerOutput",
+    "freeze_extra",
+]
+
+ExtraValue: TypeAlias = (
+    "str | int | float | bool | tuple[ExtraValue, ...] | Mapping[str, ExtraValue] | None"
+)
+"""One value of :attr:`Request.extra`: JSON data, frozen (arrays as tuples, objects as read-only
+mappings)."""
+EMPTY_EXTRA: Mapping[str, ExtraValue] = types.MappingProxyType({})
+"""The ``extra`` of a request that carries none."""
+MAX_EXTRA_DEPTH = 64
+"""Arrays and objects nested deeper than this in ``extra`` are refused (as in an HTTP body)."""
+_EXTRA_TYPES = "str, int, float, bool, None, lists and dicts with str keys (JSON data)"
+
+
+def freeze_extra(
+    extra: Mapping[str, object] | None, *, name: str = "extra"
+) -> Mapping[str, ExtraValue]:
+    """A read-only deep copy of ``extra``: lists (and tuples) become tuples, dicts read-only
+    mappings, so no plugin can change what another one reads.
+
+    Raises ``ValueError`` naming the offending entry (``extra['tags'][2]``) when ``extra`` is not
+    a mapping with str keys, holds something that is not JSON data, a float that is NaN or
+    infinite, or nests more than :data:`MAX_EXTRA_DEPTH` levels. ``name`` is the name errors
+    give the mapping (``extra_args`` for an HTTP body).
+    """
+    if extra is None or (isinstance(extra, Mapping) and not extra):
+        return EMPTY_EXTRA
+    if not isinstance(extra, Mapping):
+        raise ValueError(
+            f"{name} must be a mapping of str keys to JSON data, got {type(extra).__name__}"
+        )
+    return _freeze_mapping(extra, name, 1)
+
+
+def _freeze_mapping(
+    value: Mapping[Any, object], where: str, depth: int
+) -> Mapping[str, ExtraValue]:
+    items = {}
+    for key, item in value.items():
+        if not isinstance(key, str):
+            raise ValueError(f"{where} has the key {key!r}; keys must be str (as in JSON)")
+        items[key] = _freeze(item, f"{where}[{key!r}]", depth + 1)
+    return types.MappingProxyType(items)
+
+
+def _freeze(value: object, where: str, depth: int) -> ExtraValue:
+    if value is None or isinstance(value, str | int):  # bool is an int
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{where} is {value}: JSON has no NaN or infinity")
+        return value
+    if not isinstance(value, Mapping | list | tuple):
+        raise ValueError(f"{where} is a {type(value).__name__}; allowed: {_EXTRA_TYPES}")
+    if depth > MAX_EXTRA_DEPTH:
+        shown = where if len(where) <= 60 else where[:60] + "..."
+        raise ValueError(f"{shown} nests more than {MAX_EXTRA_DEPTH} levels of lists and dicts")
+    if isinstance(value, Mapping):
+        return _freeze_mapping(value, where, depth)
+    return tuple(_freeze(item, f"{where}[{index}]", depth + 1) for index, item in enumerate(value))
+
+
+def _no_extra() -> Mapping[str, ExtraValue]:
+    return EMPTY_EXTRA
 
 
 class RequestStatus(enum.Enum):
@@ -42,8 +117,14 @@ class Request:
     sampling_params: SamplingParams
     eos_token_ids: frozenset[int] = frozenset()
     arrival_time: float = 0.0
+    """When the engine received the request, on the engine clock (``SchedulerParams.clock``:
+    ``time.monotonic`` seconds when serving, virtual seconds under the simulator)."""
     priority: int = 0
     """Lower runs first under a priority scheduler; ignored by FCFS."""
+    extra: Mapping[str, ExtraValue] = dataclasses.field(default_factory=_no_extra)
+    """Per-request data for plugins (a deadline, a tenant, a priority class), from HTTP
+    ``extra_args``, ``LLM.generate(extra=...)`` or a bench workload. Frozen at construction
+    (see :func:`freeze_extra`): read-only for every component; core never interprets it."""
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     """Only appended to while the request is in the engine (KV managers key cached pages by
     token content)."""
@@ -58,7 +139,11 @@ class Request:
     step loop (its grammar compiling). Schedulers must not schedule a request that is not
     ready; it holds no KV pages meanwhile. Core is the only writer."""
     first_scheduled_time: float | None = None
-    """``time.monotonic()`` when the request first got a batch row (queue time ends)."""
+    """When the request first got a batch row (queue time ends), on the engine clock."""
+
+    def __post_init__(self) -> None:
+        if self.extra is not EMPTY_EXTRA:
+            self.extra = freeze_extra(self.extra)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 
 from brigade.interfaces.kv import KVManager
 from brigade.interfaces.request import Request, SchedulerOutput
@@ -14,7 +15,7 @@ __all__ = ["Scheduler", "SchedulerParams", "SchedulerStats"]
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SchedulerParams:
-    """Limits core hands the scheduler at construction."""
+    """Limits core hands the scheduler at construction, and the engine clock."""
 
     max_num_seqs: int
     max_num_batched_tokens: int
@@ -24,6 +25,12 @@ class SchedulerParams:
     """'recompute' (drop a victim's pages) or 'swap' (copy them to host pages and back)."""
     host_pages: tuple[int, ...] = ()
     """Host page ids (see ``Executor.initialize_kv_cache``) a 'swap' scheduler may use."""
+    clock: Callable[[], float] = time.monotonic
+    """The engine clock: ``clock()`` is now, in seconds, on the clock that stamped every
+    request's ``arrival_time`` and ``first_scheduled_time`` (so ``clock() -
+    request.arrival_time`` is how long it has waited). ``time.monotonic`` when serving, the
+    virtual clock under the simulator: a policy that reads the time reads it here, never from
+    ``time`` directly, or it is mis-simulated (API 1.3)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -41,6 +48,10 @@ class Scheduler(abc.ABC):
     when a running request cannot grow), and writes ``status``, ``num_computed_tokens`` and
     ``num_preemptions`` of its requests. Core appends sampled tokens and decides when a request
     is finished; it then calls :meth:`update` and frees the pages.
+
+    Time and per-request data: a policy reads the time from ``self.params.clock()`` (the
+    engine clock, virtual under the simulator) and what clients attached to a request from
+    ``request.extra`` (read-only, e.g. a deadline).
 
     Readiness gate: a request whose ``ready`` is False (its grammar is still compiling) is
     queued but must not be scheduled, nor hold KV pages, until core sets ``ready``; requests

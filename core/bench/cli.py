@@ -16,6 +16,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+from brigade.bench.compare import (
+    Difference,
+    compare_runs,
+    differences_json,
+    render_differences_markdown,
+)
 from brigade.bench.endpoint import Endpoint
 from brigade.bench.report import (
     BenchError,
@@ -103,9 +109,15 @@ def run_bench(
     sweep: str | None = None,
     plot_dir: str | None = None,
     quiet: bool = False,
+    by: str | None = None,
 ) -> int:
     """Run ``workload_spec`` against every config and endpoint for ``seeds`` seeds (at every
-    ``sweep`` value); print Markdown (mean ± 95% CI half-width), write JSON and plots."""
+    ``sweep`` value); print Markdown (mean ± 95% CI half-width), write JSON and plots.
+
+    ``by`` names an ``extra`` field of the workload's requests: the report breaks latency,
+    goodput and deadline misses down by its values. With two or more targets and seeds, a
+    second table gives each target's difference from the first, paired by seed, and the seeds
+    such a difference needs (:mod:`brigade.bench.compare`)."""
     from tqdm import tqdm
 
     from brigade.config import load_config
@@ -151,15 +163,26 @@ def run_bench(
         targets.append(_Target(_endpoint_name(url, endpoints), endpoint=endpoint))
     values: list[str | None] = list(sweep_spec.values) if sweep_spec else [None]
     num_requests = spec.num_requests or len(spec.build(0, vocab))  # a trace: count its lines
+    if by is not None:
+        _check_by(by, spec.build(0, vocab))
     total = num_requests * len(targets) * len(values) * seeds
     collected: dict[str, list[_Collected]] = {}
     show = not quiet and sys.stderr.isatty()
     with tqdm(total=total, desc="bench", unit="req", disable=not show) as bar:
-        plan = _Plan(spec, vocab, seeds, tuple(overrides), limits, sweep_spec, plots is not None)
+        plan = _Plan(
+            spec, vocab, seeds, tuple(overrides), limits, sweep_spec, plots is not None, by
+        )
         for target in targets:
             collected[target.name] = [_run_point(plan, target, value, bar) for value in values]
     summaries = {name: [summarize(p.runs) for p in points] for name, points in collected.items()}
-    _report(workload_spec, seeds, limits, sweep_spec, targets, summaries, json_path)
+    differences = None
+    if sweep_spec is None and len(targets) > 1:
+        baseline, *others = collected
+        differences = {
+            name: compare_runs(collected[baseline][0].runs, collected[name][0].runs)
+            for name in others
+        }
+    _report(workload_spec, seeds, limits, sweep_spec, targets, summaries, json_path, differences)
     if plots is not None:
         _plot(plots, sweep_spec, collected, summaries)
     return 0
@@ -176,6 +199,18 @@ class _Plan:
     slo: dict[str, float] | None
     sweep: SweepSpec | None
     keep_latencies: bool
+    by: str | None = None
+
+
+def _check_by(field: str, workload: Sequence[Any]) -> None:
+    """``--by`` must name an ``extra`` field some request of the workload carries."""
+    present = sorted({key for request in workload for key in request.extra})
+    if field not in present:
+        fields = ", ".join(present) if present else "none (the workload carries no extra data)"
+        raise BenchError(
+            f"--by {field!r}: no request of the workload has extra field {field!r}; "
+            f"fields present: {fields}"
+        )
 
 
 def _run_point(plan: _Plan, target: _Target, value: str | None, bar: Any) -> _Collected:
@@ -211,7 +246,7 @@ def _run_point(plan: _Plan, target: _Target, value: str | None, bar: Any) -> _Co
                 timings, run = run_real(engine, workload, f"s{seed}-", bar.update)
             else:
                 timings, run = run_simulated(target.config_path, overrides, workload, bar.update)
-            point.runs.append(summarize_run(timings, run, plan.slo))
+            point.runs.append(summarize_run(timings, run, plan.slo, by=plan.by))
             point.add(timings, plan.keep_latencies)
     finally:
         if engine is not None:
@@ -227,11 +262,16 @@ def _report(
     targets: Sequence[_Target],
     summaries: dict[str, list[dict[str, Summary]]],
     json_path: str | None,
+    differences: dict[str, dict[str, Difference]] | None = None,
 ) -> None:
     if sweep is None:
         print(render_markdown({name: points[0] for name, points in summaries.items()}), end="")
     else:
         print(render_sweep_markdown(sweep.key, sweep.values, summaries), end="")
+    baseline = targets[0].name
+    if differences and seeds > 1:
+        print()
+        print(render_differences_markdown(baseline, differences, seeds), end="")
     if not json_path:
         return
     entries: dict[str, dict[str, object]] = {}
@@ -247,13 +287,18 @@ def _report(
         else:
             entry["sweep"] = sweep_json(sweep.key, sweep.values, points)
         entries[target.name] = entry
-    document = {
+    document: dict[str, object] = {
         "workload": workload_spec,
         "seeds": seeds,
         "slo": limits,
         "sweep": None if sweep is None else {"key": sweep.key, "values": list(sweep.values)},
         "configs": entries,
     }
+    if differences:
+        document["differences"] = {
+            "baseline": baseline,
+            "configs": {name: differences_json(diffs) for name, diffs in differences.items()},
+        }
     try:
         Path(json_path).write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
     except OSError as exc:

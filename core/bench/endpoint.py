@@ -3,7 +3,8 @@
 Requests are sent at their arrival times (at most ``max_concurrency`` in flight; a request
 that finds every slot busy waits, and so do those behind it), each with
 ``max_tokens = output_len`` and ``ignore_eos: true`` (a vLLM and brigade extension; a server
-that ignores it may stop early, which the measured token counts then show). Latencies are
+that ignores it may stop early, which the measured token counts then show), and a request's
+``extra`` data as ``extra_args`` (brigade's field; vLLM reads ``vllm_xargs``). Latencies are
 measured from when a request is sent: TTFT to its first streamed chunk with a choice, ITL
 between such chunks, e2e to the end of the stream. Token counts come from the final usage
 chunk (``stream_options.include_usage``), or, without one, from the number of chunks.
@@ -23,7 +24,7 @@ from typing import Any, Literal
 import httpx
 
 from brigade.bench.report import BenchError, RequestTiming, RunMetrics
-from brigade.bench.workloads import WorkloadRequest
+from brigade.bench.workloads import WorkloadRequest, extra_json
 
 __all__ = ["Endpoint", "EndpointRun", "run_endpoint"]
 
@@ -125,13 +126,20 @@ async def _run(
         await asyncio.gather(*tasks)
     duration = time.perf_counter() - start
     timings = [r for _, r in sorted(results.items()) if isinstance(r, RequestTiming)]
-    errors = [r for _, r in sorted(results.items()) if isinstance(r, str)]
+    failed = [index for index, r in sorted(results.items()) if isinstance(r, str)]
+    errors = [str(results[index]) for index in failed]
     short = sum(
         1
         for index, result in results.items()
         if isinstance(result, RequestTiming) and result.output_tokens < workload[index].output_len
     )
-    metrics = RunMetrics(duration, None, None, num_failed=len(errors))
+    metrics = RunMetrics(
+        duration,
+        None,
+        None,
+        num_failed=len(errors),
+        failed_extra=tuple(workload[index].extra for index in failed),
+    )
     return EndpointRun(timings, metrics, errors, short)
 
 
@@ -159,6 +167,8 @@ async def _request(
     }
     if request.priority:
         body["priority"] = request.priority
+    if request.extra:
+        body["extra_args"] = extra_json(request.extra)
     arrivals: list[float] = []
     usage_tokens: int | None = None
     sent = time.perf_counter()
@@ -196,4 +206,6 @@ async def _request(
         return "the stream carried no tokens"
     gaps = tuple(later - earlier for earlier, later in itertools.pairwise(arrivals))
     tokens = usage_tokens if usage_tokens is not None else len(arrivals)
-    return RequestTiming(arrivals[0] - sent, finished - sent, tokens, gaps, request.priority)
+    return RequestTiming(
+        arrivals[0] - sent, finished - sent, tokens, gaps, request.priority, request.extra
+    )

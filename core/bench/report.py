@@ -1,14 +1,18 @@
-"""Benchmark statistics: per-run latency percentiles, throughput and goodput under SLOs, and
-their mean with a 95% confidence interval over seeds, rendered as Markdown or JSON."""
+"""Benchmark statistics: per-run latency percentiles, throughput and goodput under SLOs,
+deadline misses, a breakdown by one ``extra`` field, and their mean with a 95% confidence
+interval over seeds, rendered as Markdown or JSON."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import statistics
 from collections.abc import Mapping, Sequence
 
+from brigade.bench.workloads import DEADLINE_FIELD, extra_json
 from brigade.errors import BrigadeError
+from brigade.interfaces import EMPTY_EXTRA, ExtraValue
 
 __all__ = [
     "BenchError",
@@ -17,6 +21,7 @@ __all__ = [
     "Summary",
     "TokenTimes",
     "confidence_interval",
+    "group_label",
     "parse_slo",
     "percentile",
     "render_markdown",
@@ -74,6 +79,8 @@ class RequestTiming:
     itl_s: tuple[float, ...] = ()
     """Gaps between consecutive token arrivals (engine steps, or stream chunks over HTTP)."""
     priority: int = 0
+    extra: Mapping[str, ExtraValue] = dataclasses.field(default_factory=lambda: EMPTY_EXTRA)
+    """The workload request's ``extra`` data (``--by`` groups by it; ``deadline_s``)."""
 
     @property
     def tpot_s(self) -> float:
@@ -93,6 +100,9 @@ class RunMetrics:
     prefix_hit_rate: float | None
     num_failed: int = 0
     """Requests that ended in an error (HTTP runs); they have no timings."""
+    failed_extra: tuple[Mapping[str, ExtraValue], ...] = ()
+    """The ``extra`` data of the failed requests, where known: per-group goodput and deadline
+    misses count them too."""
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -143,12 +153,20 @@ def _meets(timing: RequestTiming, slo: Mapping[str, float]) -> bool:
 
 
 def summarize_run(
-    timings: Sequence[RequestTiming], run: RunMetrics, slo: Mapping[str, float] | None = None
+    timings: Sequence[RequestTiming],
+    run: RunMetrics,
+    slo: Mapping[str, float] | None = None,
+    *,
+    by: str | None = None,
 ) -> dict[str, float]:
     """One run's metrics: latency percentiles (ms), throughputs (/s), goodput and counters.
 
     ITL pools every gap of every request (as vLLM's benchmark does), so its p99 shows stalls
-    (preemptions, long prefill chunks) that the per-request mean TPOT averages away.
+    (preemptions, long prefill chunks) that the per-request mean TPOT averages away. When
+    requests carry ``extra.deadline_s``, ``deadline_misses`` counts those whose end-to-end
+    latency exceeds it (failed ones included). ``by`` names an ``extra`` field: latency,
+    goodput and deadline misses are then also given per value of it, as
+    ``metric[by=value]``.
     """
     metrics: dict[str, float] = {}
     for name, values in (
@@ -176,12 +194,83 @@ def summarize_run(
         attempted = len(timings) + run.num_failed
         metrics["goodput_fraction"] = met / attempted if attempted else 0.0
         metrics["goodput"] = met / duration if duration > 0 else 0.0
+    metrics.update(_deadline_metrics(timings, run.failed_extra))
     metrics["failed_requests"] = float(run.num_failed)
     if run.num_preemptions is not None:
         metrics["preemptions"] = float(run.num_preemptions)
     if run.prefix_hit_rate is not None:
         metrics["prefix_hit_rate"] = run.prefix_hit_rate
+    if by is not None:
+        metrics.update(_group_metrics(timings, run, slo, by))
     return metrics
+
+
+def group_label(extra: Mapping[str, ExtraValue], field: str) -> str:
+    """How a request's ``extra[field]`` names its group: a string as it is, other values as
+    JSON, ``(none)`` when the request has no such field."""
+    if field not in extra:
+        return "(none)"
+    value = extra[field]
+    return value if isinstance(value, str) else json.dumps(extra_json({field: value})[field])
+
+
+def _deadline_metrics(
+    timings: Sequence[RequestTiming], failed_extra: Sequence[Mapping[str, ExtraValue]]
+) -> dict[str, float]:
+    """``deadline_misses`` and ``deadline_miss_fraction`` over the requests with a deadline
+    (none when no request has one). A failed request with a deadline missed it."""
+    with_deadline = [t for t in timings if DEADLINE_FIELD in t.extra]
+    failed = sum(DEADLINE_FIELD in extra for extra in failed_extra)
+    total = len(with_deadline) + failed
+    if not total:
+        return {}
+    misses = failed + sum(t.e2e_s > _deadline(t.extra) for t in with_deadline)
+    return {"deadline_misses": float(misses), "deadline_miss_fraction": misses / total}
+
+
+def _deadline(extra: Mapping[str, ExtraValue]) -> float:
+    value = extra[DEADLINE_FIELD]
+    return float(value) if isinstance(value, int | float) else math.inf
+
+
+def _group_metrics(
+    timings: Sequence[RequestTiming],
+    run: RunMetrics,
+    slo: Mapping[str, float] | None,
+    by: str,
+) -> dict[str, float]:
+    """Latency, goodput and deadline metrics per value of ``extra[by]``, metric by metric."""
+    groups: dict[str, list[RequestTiming]] = {}
+    failed: dict[str, list[Mapping[str, ExtraValue]]] = {}
+    for timing in timings:
+        groups.setdefault(group_label(timing.extra, by), []).append(timing)
+    for extra in run.failed_extra:
+        failed.setdefault(group_label(extra, by), []).append(extra)
+    per_group: dict[str, dict[str, float]] = {}
+    for label in sorted(groups.keys() | failed.keys()):
+        members, lost = groups.get(label, []), failed.get(label, [])
+        values: dict[str, float] = {"requests": float(len(members) + len(lost))}
+        for name, samples in (
+            ("ttft", sorted(t.ttft_s for t in members)),
+            ("tpot", sorted(t.tpot_s for t in members if t.output_tokens > 1)),
+            ("e2e", sorted(t.e2e_s for t in members)),
+        ):
+            for q in (50, 99):
+                values[f"{name}_p{q}_ms"] = _sorted_percentile(samples, q) * 1e3
+        if slo:
+            met = sum(_meets(t, slo) for t in members)
+            attempted = len(members) + len(lost)
+            values["goodput_fraction"] = met / attempted if attempted else 0.0
+            values["goodput"] = met / run.duration_s if run.duration_s > 0 else 0.0
+        values.update(_deadline_metrics(members, lost))
+        per_group[label] = values
+    names = dict.fromkeys(name for values in per_group.values() for name in values)
+    return {
+        f"{name}[{by}={label}]": values[name]
+        for name in names
+        for label, values in per_group.items()
+        if name in values
+    }
 
 
 def t_quantile_975(df: int) -> float:
@@ -249,10 +338,13 @@ SWEEP_COLUMNS = (
     "itl_p99_ms",
     "e2e_p50_ms",
     "e2e_p99_ms",
+    "deadline_miss_fraction",
     "failed_requests",
     "preemptions",
 )
 """The metrics of a sweep table, where present; every metric is in the JSON."""
+_SWEEP_GROUP_COLUMNS = ("ttft_p50_ms[priority=", "goodput_fraction[", "deadline_miss_fraction[")
+"""Per-group metrics a sweep table shows too (priority levels, ``--by`` groups)."""
 
 
 def _cell(summary: Summary | None) -> str:
@@ -270,7 +362,8 @@ def render_sweep_markdown(
     for name, summaries in points.items():
         present = {metric for point in summaries for metric in point}
         columns = [metric for metric in SWEEP_COLUMNS if metric in present]
-        columns += sorted(m for m in present if m.startswith("ttft_p50_ms[priority="))
+        for prefix in _SWEEP_GROUP_COLUMNS:
+            columns += sorted(m for m in present if m.startswith(prefix))
         lines = [
             f"### {name}",
             "",

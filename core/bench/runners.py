@@ -31,7 +31,8 @@ def run_simulated(
 
     result = run_simulation(overrides, workload, config_path=path, on_finished=progress)
     timings = [
-        RequestTiming(r.ttft_s, r.e2e_s, r.output_len, r.itl_s, r.priority) for r in result.requests
+        RequestTiming(r.ttft_s, r.e2e_s, r.output_len, r.itl_s, r.priority, r.extra)
+        for r in result.requests
     ]
     _report_refused(path or "default", result.errors, len(workload))
     metrics = RunMetrics(
@@ -39,6 +40,7 @@ def run_simulated(
         result.num_preemptions,
         result.prefix_hit_rate,
         num_failed=len(result.errors),
+        failed_extra=tuple(workload[index].extra for index in result.refused),
     )
     return timings, metrics
 
@@ -64,11 +66,13 @@ def run_real(
     times = TokenTimes()
     timings: dict[int, RequestTiming] = {}
     errors: list[str] = []
+    refused: list[int] = []
     while pending or engine.has_unfinished():
         now = time.perf_counter() - start
         while pending and workload[pending[0]].arrival_time - offset <= now:
             index = pending.popleft()
-            submit(engine, f"{prefix}{index}", workload[index], errors)
+            if not submit(engine, f"{prefix}{index}", workload[index], errors):
+                refused.append(index)
         if not engine.has_unfinished():
             if not pending:
                 break
@@ -92,6 +96,7 @@ def run_real(
                     update.request.num_output_tokens,
                     gaps,
                     workload[index].priority,
+                    workload[index].extra,
                 )
                 progress()
     after = engine.stats()
@@ -102,6 +107,7 @@ def run_real(
         num_preemptions=after.num_preemptions - before.num_preemptions,
         prefix_hit_rate=hits / queries if queries else 0.0,
         num_failed=len(errors),
+        failed_extra=tuple(workload[index].extra for index in refused),
     )
     _report_refused(prefix.rstrip("-") or "engine", errors, len(workload))
     return [timings[i] for i in sorted(timings)], run

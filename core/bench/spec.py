@@ -3,21 +3,26 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import re
 from pathlib import Path
 from typing import Literal
 
 from brigade.bench.report import BenchError
 from brigade.bench.workloads import (
+    DEADLINE_FIELD,
     Arrivals,
     Lengths,
     WorkloadError,
     WorkloadRequest,
+    draw_extra,
     load_trace,
     multi_turn,
     shared_prefix,
     synthetic,
 )
+from brigade.interfaces import ExtraValue
 
 __all__ = ["SYNTHETIC_GRAMMAR", "SweepSpec", "WorkloadSpec", "parse_sweep", "parse_workload"]
 
@@ -25,7 +30,10 @@ SYNTHETIC_PREFIX = "synthetic:"
 SYNTHETIC_GRAMMAR = (
     "synthetic:requests=N[,prompt=LEN][,output=LEN][,rate=R[,burstiness=B]]"
     "[,priorities=L:W/L:W...][,prefix_groups=G,prefix_len=P][,turns=T[,think_time=S]]"
+    "[,extra.KEY=V|V:W/V:W...]"
 )
+EXTRA_PREFIX = "extra."
+"""A synthetic term ``extra.KEY=...`` draws ``Request.extra[KEY]`` for every request."""
 _SYNTHETIC_KEYS = (
     "requests",
     "prompt",
@@ -60,40 +68,39 @@ class WorkloadSpec:
     prefix_len: int = 0
     num_turns: int = 1
     think_time_s: float = 1.0
+    extra: tuple[tuple[str, tuple[tuple[ExtraValue, float], ...]], ...] = ()
+    """``extra.KEY`` terms: per key, the (value, weight) pairs each request's value is drawn
+    from."""
 
     def build(self, seed: int, vocab_size: int) -> list[WorkloadRequest]:
         """The workload for one seed, prompt ids below ``vocab_size``."""
         try:
-            if self.trace is not None:
-                return load_trace(self.trace, vocab_size=vocab_size, seed=seed)
-            if self.num_turns > 1:
-                return multi_turn(
-                    self.num_requests // self.num_turns,
-                    self.num_turns,
-                    self.prompt_lens,
-                    self.output_lens,
-                    self.arrivals,
-                    think_time_s=self.think_time_s,
-                    vocab_size=vocab_size,
-                    priorities=self.priorities,
-                    num_prefix_groups=self.num_prefix_groups,
-                    prefix_len=self.prefix_len,
-                    seed=seed,
-                )
-            if self.num_prefix_groups:
-                return shared_prefix(
-                    self.num_prefix_groups,
-                    self.num_requests // self.num_prefix_groups,
-                    self.prefix_len,
-                    self.prompt_lens,
-                    self.output_lens,
-                    self.arrivals,
-                    vocab_size=vocab_size,
-                    priorities=self.priorities,
-                    seed=seed,
-                )
-            return synthetic(
-                self.num_requests,
+            return draw_extra(self._build(seed, vocab_size), dict(self.extra), seed=seed)
+        except WorkloadError as exc:
+            raise BenchError(str(exc)) from exc
+
+    def _build(self, seed: int, vocab_size: int) -> list[WorkloadRequest]:
+        if self.trace is not None:
+            return load_trace(self.trace, vocab_size=vocab_size, seed=seed)
+        if self.num_turns > 1:
+            return multi_turn(
+                self.num_requests // self.num_turns,
+                self.num_turns,
+                self.prompt_lens,
+                self.output_lens,
+                self.arrivals,
+                think_time_s=self.think_time_s,
+                vocab_size=vocab_size,
+                priorities=self.priorities,
+                num_prefix_groups=self.num_prefix_groups,
+                prefix_len=self.prefix_len,
+                seed=seed,
+            )
+        if self.num_prefix_groups:
+            return shared_prefix(
+                self.num_prefix_groups,
+                self.num_requests // self.num_prefix_groups,
+                self.prefix_len,
                 self.prompt_lens,
                 self.output_lens,
                 self.arrivals,
@@ -101,8 +108,15 @@ class WorkloadSpec:
                 priorities=self.priorities,
                 seed=seed,
             )
-        except WorkloadError as exc:
-            raise BenchError(str(exc)) from exc
+        return synthetic(
+            self.num_requests,
+            self.prompt_lens,
+            self.output_lens,
+            self.arrivals,
+            vocab_size=vocab_size,
+            priorities=self.priorities,
+            seed=seed,
+        )
 
     def with_rate(self, rate: float) -> WorkloadSpec:
         """The same workload arriving at ``rate``/s: Poisson, or gamma if it was gamma."""
@@ -198,11 +212,16 @@ def parse_workload(spec: str) -> WorkloadSpec:
             )
         return WorkloadSpec(trace=path)
     fields: dict[str, str] = {}
+    extra: dict[str, tuple[tuple[ExtraValue, float], ...]] = {}
     for part in filter(None, spec[len(SYNTHETIC_PREFIX) :].split(",")):
         key, sep, value = part.partition("=")
+        if sep and key.startswith(EXTRA_PREFIX):
+            extra[key[len(EXTRA_PREFIX) :]] = _parse_extra(key, value)
+            continue
         if not sep or key not in _SYNTHETIC_KEYS:
             raise BenchError(
-                f"workload term {part!r} is not allowed; keys: {', '.join(_SYNTHETIC_KEYS)}"
+                f"workload term {part!r} is not allowed; keys: {', '.join(_SYNTHETIC_KEYS)}, "
+                f"{EXTRA_PREFIX}NAME"
             )
         fields[key] = value
     if "requests" not in fields:
@@ -244,7 +263,56 @@ def parse_workload(spec: str) -> WorkloadSpec:
         prefix_len=prefix_len,
         num_turns=turns,
         think_time_s=_number(fields, "think_time", 1.0),
+        extra=tuple(extra.items()),
     )
+
+
+def _parse_extra(term: str, text: str) -> tuple[tuple[ExtraValue, float], ...]:
+    """``V`` (every request gets V) or ``V:W/V:W...`` (drawn by weight W > 0)."""
+    name = term[len(EXTRA_PREFIX) :]
+    if not re.fullmatch(r"[A-Za-z_][\w.-]*", name):
+        raise BenchError(
+            f"workload term {term!r}: the extra field's name must be a letter or _ followed by "
+            "letters, digits, _, . or -"
+        )
+    if ":" not in text:
+        pairs = [(_extra_value(text), 1.0)]
+    else:
+        pairs = []
+        for choice in text.split("/"):
+            value, sep, weight_text = choice.rpartition(":")
+            try:
+                weight = float(weight_text)
+            except ValueError:
+                weight = math.nan
+            if not sep or not value or not weight > 0 or math.isinf(weight):
+                raise BenchError(
+                    f"workload {term}={text!r} is not allowed; give one VALUE, or VALUE:WEIGHT "
+                    "pairs joined by '/', weights > 0 (e.g. gold:1/silver:3)"
+                )
+            pairs.append((_extra_value(value), weight))
+    if name == DEADLINE_FIELD and not all(
+        isinstance(value, int | float) and not isinstance(value, bool) and value > 0
+        for value, _ in pairs
+    ):
+        raise BenchError(
+            f"workload {term}={text!r}: {DEADLINE_FIELD} is the deadline in seconds after "
+            "arrival; give numbers > 0"
+        )
+    return tuple(pairs)
+
+
+def _extra_value(text: str) -> ExtraValue:
+    """A number, true, false or null where ``text`` reads as one in JSON, else the text."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    if value is None or isinstance(value, bool | int):
+        return value
+    if isinstance(value, float) and math.isfinite(value):
+        return value
+    return text
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -301,10 +369,17 @@ workload grammar:
   turns=T         requests/T conversations of T turns; each turn's prompt is the previous
                   prompt, its answer and a new message of prompt=LEN tokens; turns arrive
                   think_time seconds apart (default 1); rate is then of new conversations
+  extra.KEY=V     every request carries extra data KEY = V (Request.extra; sent as
+                  extra_args over HTTP); extra.KEY=V:W/V:W... draws V by weight W per request.
+                  V is a number, true, false or null when it reads as one, else text.
+                  extra.deadline_s=S: a deadline S seconds after arrival (the report counts
+                  misses); --by KEY breaks the report down by KEY's values
 
   e.g. synthetic:requests=400,prompt=lognormal:512:0.6,output=uniform:32:256,rate=8,burstiness=0.5
        synthetic:requests=256,prefix_groups=4,prefix_len=1024,prompt=uniform:16:64,output=fixed:32
        synthetic:requests=300,turns=3,think_time=2,prompt=fixed:64,output=fixed:64,rate=2
+       synthetic:requests=500,rate=20,extra.priority_class=gold:1/bronze:4,extra.deadline_s=5
   A trace is JSONL: {{"arrival_time": s, "prompt_len": n | "prompt_token_ids": [...],
-  "output_len": n, "priority": k}} per line.
+  "output_len": n, "priority": k, "extra": {{"priority_class": "gold", "deadline_s": 2.0}}}}
+  per line.
 """

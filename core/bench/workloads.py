@@ -2,7 +2,10 @@
 
 A workload is a list of :class:`WorkloadRequest` sorted by arrival time. Prompts are token ids
 (random ids in ``[FIRST_TOKEN_ID, vocab_size)``, so special tokens stay out of the way); every
-generator takes a ``seed`` and returns the same workload for the same arguments.
+generator takes a ``seed`` and returns the same workload for the same arguments. A request may
+carry ``extra`` data for plugins (``Request.extra``): a trace's ``extra`` object, or fields
+drawn by :func:`draw_extra`; ``extra.deadline_s`` is the request's deadline (see
+:data:`DEADLINE_FIELD`).
 """
 
 from __future__ import annotations
@@ -11,18 +14,21 @@ import dataclasses
 import json
 import math
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 from brigade.errors import RequestError
-from brigade.interfaces import SamplingParams
+from brigade.interfaces import EMPTY_EXTRA, ExtraValue, SamplingParams, freeze_extra
 
 __all__ = [
+    "DEADLINE_FIELD",
     "Arrivals",
     "Lengths",
     "WorkloadError",
     "WorkloadRequest",
+    "draw_extra",
+    "extra_json",
     "load_trace",
     "multi_turn",
     "save_trace",
@@ -33,6 +39,10 @@ __all__ = [
 
 FIRST_TOKEN_ID = 10
 """Generated prompts use ids from here up, clear of the usual special tokens."""
+DEADLINE_FIELD = "deadline_s"
+"""The ``extra`` field holding a request's deadline: seconds after its arrival (a number > 0)
+by which its last token is due. The bench report counts a request as a deadline miss when its
+end-to-end latency exceeds it, or when it failed."""
 
 
 class WorkloadError(ValueError):
@@ -50,6 +60,26 @@ class WorkloadRequest:
     """Tokens to generate (the request runs to this length, ignoring EOS)."""
     priority: int = 0
     """Lower runs first under the ``priority`` scheduler."""
+    extra: Mapping[str, ExtraValue] = dataclasses.field(default_factory=lambda: EMPTY_EXTRA)
+    """Data for plugins, handed to the engine as ``Request.extra`` (frozen here; a bad value
+    or a ``deadline_s`` that is not a number > 0 is a ``WorkloadError``)."""
+
+    def __post_init__(self) -> None:
+        if self.extra is EMPTY_EXTRA:
+            return
+        try:
+            extra = freeze_extra(self.extra)
+        except ValueError as exc:
+            raise WorkloadError(str(exc)) from None
+        deadline = extra.get(DEADLINE_FIELD)
+        if DEADLINE_FIELD in extra and (
+            isinstance(deadline, bool) or not isinstance(deadline, int | float) or deadline <= 0
+        ):
+            raise WorkloadError(
+                f"extra[{DEADLINE_FIELD!r}] is the deadline in seconds after arrival: a "
+                f"number > 0, got {deadline!r}"
+            )
+        object.__setattr__(self, "extra", extra)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -245,7 +275,8 @@ def load_trace(
 
     Fields: ``arrival_time`` (seconds >= 0), one of ``prompt`` (text, needs ``tokenize``),
     ``prompt_token_ids`` or ``prompt_len`` (random ids from ``seed``), ``output_len`` (>= 1)
-    and optionally ``priority`` (integer, default 0). Errors name the line and the field.
+    and optionally ``priority`` (integer, default 0) and ``extra`` (an object of data for
+    plugins; its ``deadline_s`` a number > 0). Errors name the line and the field.
     """
     rng = random.Random(seed)
     requests = []
@@ -313,27 +344,88 @@ def _trace_request(
     if not prompt:
         raise WorkloadError(f"{where}: field {given[0]!r} gives an empty prompt")
     priority = integer("priority", -(2**31)) if "priority" in record else 0
-    return WorkloadRequest(float(arrival), prompt, integer("output_len", 1), priority)
+    extra = record.get("extra")
+    if extra is not None and not isinstance(extra, dict):
+        raise WorkloadError(f"{where}: field 'extra' must be a JSON object")
+    output_len = integer("output_len", 1)
+    try:
+        return WorkloadRequest(float(arrival), prompt, output_len, priority, extra or EMPTY_EXTRA)
+    except WorkloadError as exc:
+        raise WorkloadError(f"{where}: field 'extra': {exc}") from None
 
 
 def save_trace(workload: Sequence[WorkloadRequest], path: str | Path) -> None:
     """Write ``workload`` as a JSONL trace that :func:`load_trace` replays exactly."""
     with Path(path).open("w", encoding="utf-8") as file:
         for request in workload:
-            record = {
+            record: dict[str, Any] = {
                 "arrival_time": request.arrival_time,
                 "prompt_token_ids": list(request.prompt_token_ids),
                 "output_len": request.output_len,
                 "priority": request.priority,
             }
+            if request.extra:
+                record["extra"] = extra_json(request.extra)
             file.write(json.dumps(record) + "\n")
 
 
-def submit(engine: Any, request_id: str, request: WorkloadRequest, errors: list[str]) -> None:
-    """Add ``request`` to an ``EngineCore`` with its fixed output length (greedy, EOS ignored);
-    a request the engine refuses is recorded in ``errors`` (counted as failed), not raised."""
+def extra_json(extra: Mapping[str, ExtraValue]) -> dict[str, Any]:
+    """``extra`` as plain dicts and lists, for ``json.dumps`` (a trace line, an HTTP body)."""
+
+    def plain(value: ExtraValue) -> Any:
+        if isinstance(value, Mapping):
+            return {key: plain(item) for key, item in value.items()}
+        if isinstance(value, tuple):
+            return [plain(item) for item in value]
+        return value
+
+    return {key: plain(value) for key, value in extra.items()}
+
+
+def draw_extra(
+    workload: Sequence[WorkloadRequest],
+    fields: Mapping[str, Sequence[tuple[ExtraValue, float]]],
+    *,
+    seed: int = 0,
+) -> list[WorkloadRequest]:
+    """``workload`` with ``extra[key]`` drawn for every request from ``fields[key]``, a list of
+    (value, weight) pairs (one pair: always that value).
+
+    Each field has its own random stream, seeded by ``seed`` and the key, so adding a field
+    changes neither the rest of the workload nor the other fields' draws.
+    """
+    if not fields:
+        return list(workload)
+    draws: dict[str, list[ExtraValue]] = {}
+    for key, choices in fields.items():
+        if not choices or any(not weight > 0 for _, weight in choices):
+            raise WorkloadError(f"extra field {key!r} needs (value, weight) pairs, weights > 0")
+        rng = random.Random(f"extra:{seed}:{key}")
+        values, weights = zip(*choices, strict=True)
+        draws[key] = rng.choices(values, weights, k=len(workload))
+    return [
+        dataclasses.replace(
+            request,
+            extra={**request.extra, **{key: draws[key][index] for key in fields}},
+        )
+        for index, request in enumerate(workload)
+    ]
+
+
+def submit(engine: Any, request_id: str, request: WorkloadRequest, errors: list[str]) -> bool:
+    """Add ``request`` to an ``EngineCore`` with its fixed output length (greedy, EOS ignored)
+    and its ``extra`` data; a request the engine refuses is recorded in ``errors`` (counted as
+    failed), not raised. False when it was refused."""
     params = SamplingParams(max_tokens=request.output_len, temperature=0.0, ignore_eos=True)
     try:
-        engine.add_request(request_id, request.prompt_token_ids, params, priority=request.priority)
+        engine.add_request(
+            request_id,
+            request.prompt_token_ids,
+            params,
+            priority=request.priority,
+            extra=request.extra,
+        )
     except RequestError as exc:
         errors.append(f"request {request_id}: {exc}")
+        return False
+    return True

@@ -19,11 +19,11 @@ import dataclasses
 import logging
 import queue
 import threading
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 
 from brigade.engine import EngineCore, EngineStats, StepUpdate
 from brigade.errors import EngineDeadError, RequestError, RequestFailedError
-from brigade.interfaces import SamplingParams
+from brigade.interfaces import EMPTY_EXTRA, ExtraValue, SamplingParams
 from brigade.sampling_stage import describe
 from brigade.server.errors import EngineOverloadedError, EngineUnavailableError
 
@@ -40,6 +40,7 @@ class _Add:
     priority: int
     sink: asyncio.Queue[StepUpdate | BaseException]
     loop: asyncio.AbstractEventLoop
+    extra: Mapping[str, ExtraValue]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -110,8 +111,10 @@ class AsyncEngine:
         *,
         priority: int = 0,
         check_queue: bool = True,
+        extra: Mapping[str, ExtraValue] = EMPTY_EXTRA,
     ) -> AsyncGenerator[StepUpdate, None]:
         """Submit a request and yield its updates; leaving early aborts it in the engine.
+        ``extra`` becomes the request's ``Request.extra``.
 
         Before its first update a failure raises: ``RequestError`` (the request is invalid),
         ``RequestFailedError`` (a plugin failed for it) or ``EngineDeadError``. After it, a
@@ -128,7 +131,9 @@ class AsyncEngine:
         started = False
         finished = False
         try:
-            self._send(_Add(request_id, list(prompt_token_ids), params, priority, sink, loop))
+            self._send(
+                _Add(request_id, list(prompt_token_ids), params, priority, sink, loop, extra)
+            )
             if self.dead is not None:  # it died as we sent: nobody may be left to answer
                 finished = True
                 raise EngineDeadError(self.dead)
@@ -237,6 +242,7 @@ class AsyncEngine:
                 command.prompt_token_ids,
                 command.params,
                 priority=command.priority,
+                extra=command.extra,
             )
         except (RequestError, RequestFailedError) as exc:
             _put(command, exc)

@@ -10,14 +10,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from typing import Any
 
 import structlog
 
 from brigade.engine import StepUpdate, TokenLogprob
 from brigade.errors import RequestError, RequestFailedError
-from brigade.interfaces import Detokenizer, SamplingParams
+from brigade.interfaces import EMPTY_EXTRA, Detokenizer, ExtraValue, SamplingParams
 from brigade.server.async_engine import AsyncEngine
 from brigade.server.logs import log_request_finished
 from brigade.server.metrics import ServerMetrics
@@ -71,8 +71,10 @@ class Frontend:
         *,
         priority: int = 0,
         index_offset: int = 0,
+        extra: Mapping[str, ExtraValue] = EMPTY_EXTRA,
     ) -> AsyncGenerator[ChoiceDelta, None]:
-        """Yield deltas of ``params.n`` choices, indexed from ``index_offset``.
+        """Yield deltas of ``params.n`` choices, indexed from ``index_offset``; every choice's
+        request carries ``extra`` (``Request.extra``).
 
         Choice 0 runs first; the others join once its prompt is prefilled, so their prompt
         pages come from the prefix cache (shared with choice 0, not recomputed). Choice i
@@ -100,6 +102,7 @@ class Frontend:
                     deltas,
                     on_first_token=fork if child == 0 and params.n > 1 else None,
                     check_queue=child == 0,
+                    extra=extra,
                 )
             )
             tasks.append(task)
@@ -135,12 +138,18 @@ class Frontend:
         out: asyncio.Queue[ChoiceDelta | BaseException | None],
         on_first_token: Callable[[], None] | None,
         check_queue: bool,
+        extra: Mapping[str, ExtraValue] = EMPTY_EXTRA,
     ) -> None:
         choice: _Choice | None = None
         finish_reason = "abort"
         try:
             stream = self.engine.generate(
-                request_id, prompt_token_ids, params, priority=priority, check_queue=check_queue
+                request_id,
+                prompt_token_ids,
+                params,
+                priority=priority,
+                check_queue=check_queue,
+                extra=extra,
             )
             async for update in stream:
                 if choice is None:

@@ -51,7 +51,9 @@ async def chat_completion(
     await _prepare_grammar(state, params, "tools" if calls_tools else "response_format")
     response_id = out.new_chat_id()
     deltas = await _first(
-        state.frontend.generate(response_id, prompt, params, priority=body.priority or 0),
+        state.frontend.generate(
+            response_id, prompt, params, priority=body.priority or 0, extra=body.extra()
+        ),
         prompt_param="messages",
     )
     want_logprobs = params.logprobs is not None
@@ -115,6 +117,7 @@ async def completion(
                     params,
                     priority=priority,
                     index_offset=i * params.n,
+                    extra=body.extra(),
                 )
                 for i, p in enumerate(prompts)
             ]

@@ -20,7 +20,7 @@ from typing import Annotated, Any, TypeVar
 
 import msgspec
 
-from brigade.interfaces import SamplingParams, StructuredOutput
+from brigade.interfaces import ExtraValue, SamplingParams, StructuredOutput, freeze_extra
 from brigade.server.errors import ErrorResponse, ProtocolError
 from brigade.server.tools import ToolChoice, parse_tools
 
@@ -58,6 +58,8 @@ _ANY_FIELDS = (
     "function_call",
     "audio",
     "web_search_options",
+    "extra_args",
+    "vllm_xargs",
 )
 """Fields decoded as any JSON: their depth is checked here (typed fields have their own)."""
 MAX_TOKEN_ID_DIGITS = 18
@@ -127,6 +129,10 @@ class _SamplingFields(msgspec.Struct, kw_only=True, dict=True):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     response_format: Any = None
+    extra_args: dict[str, Any] | None = None
+    """Brigade extension: data for plugins (``Request.extra``), e.g. ``{"deadline_s": 2}``."""
+    vllm_xargs: dict[str, Any] | None = None
+    """vLLM's name for ``extra_args`` (give one of the two)."""
 
     def _check_common(self) -> None:
         for name in _ANY_FIELDS:
@@ -136,6 +142,25 @@ class _SamplingFields(msgspec.Struct, kw_only=True, dict=True):
                 "stream_options is only allowed when stream is true.", param="stream_options"
             )
         self.structured_output()  # validates response_format (and tools)
+        self.extra()  # validates extra_args
+
+    def extra(self) -> Mapping[str, ExtraValue]:
+        """``extra_args`` (or ``vllm_xargs``) frozen for ``Request.extra``; empty when unset."""
+        return self._extra
+
+    @functools.cached_property
+    def _extra(self) -> Mapping[str, ExtraValue]:
+        if self.extra_args is not None and self.vllm_xargs is not None:
+            raise ProtocolError(
+                "give one of extra_args or vllm_xargs (the same field under vLLM's name), "
+                "not both.",
+                param="vllm_xargs",
+            )
+        field = "extra_args" if self.vllm_xargs is None else "vllm_xargs"
+        try:
+            return freeze_extra(getattr(self, field), name=field)
+        except ValueError as exc:
+            raise ProtocolError(f"{exc}.", param=field) from None
 
     def structured_output(self) -> StructuredOutput | None:
         """The grammar of the answer, or None for plain text (parsed once per request)."""

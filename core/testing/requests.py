@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from brigade.interfaces import KVManager, Request, RequestStatus, SamplingParams
+from brigade.interfaces import KVManager, Request, RequestStatus, SamplingParams, freeze_extra
 
 __all__ = ["cached_once", "make_request", "make_requests", "probe_hit", "run_prefill"]
 
@@ -19,9 +19,11 @@ def make_request(
     priority: int = 0,
     arrival_time: float = 0.0,
     eos_token_ids: Iterable[int] = (),
+    extra: Mapping[str, object] | None = None,
     **sampling: Any,
 ) -> Request:
-    """A waiting request with prompt ``token_ids``; extra keywords go to :class:`SamplingParams`."""
+    """A waiting request with prompt ``token_ids`` and ``extra`` data (``Request.extra``);
+    further keywords go to :class:`SamplingParams`."""
     return Request(
         request_id=request_id,
         prompt_token_ids=list(token_ids),
@@ -29,6 +31,7 @@ def make_request(
         eos_token_ids=frozenset(eos_token_ids),
         arrival_time=arrival_time,
         priority=priority,
+        extra=freeze_extra(extra),
     )
 
 

@@ -1,10 +1,11 @@
 """The ``simulated`` executor: no weights, a roofline cost model and a virtual clock.
 
 It reads only the model's shape from ``config.json``, charges each step the time a named GPU
-would need (see ``docs/simulator.md``), advances :attr:`SimulatedExecutor.clock` by it instead
-of sleeping, and returns token ids directly (``returns_token_ids``), so the real scheduler and
-KV manager run at datacenter scale on a CPU. Output lengths come from the workload: requests
-run to ``max_tokens`` with ``ignore_eos``.
+would need (see ``docs/simulator.md``) to :meth:`SimulatedExecutor.modelled_time_s` instead of
+sleeping (``models_time``: the simulator's virtual clock advances by it), and returns token ids
+directly (``returns_token_ids``), so the real scheduler and KV manager run at datacenter scale
+on a CPU. Output lengths come from the workload: requests run to ``max_tokens`` with
+``ignore_eos``.
 """
 
 from __future__ import annotations
@@ -210,9 +211,11 @@ class CostModel:
 
 
 class SimulatedExecutor(Executor):
-    """Charges each step's modelled cost to a virtual clock and returns random token ids."""
+    """Charges each step's modelled cost to :meth:`modelled_time_s` and returns random token
+    ids."""
 
     returns_token_ids: ClassVar[bool] = True
+    models_time: ClassVar[bool] = True
 
     def __init__(self, params: ExecutorParams, options: SimulatedExecutorOptions) -> None:
         self.params = params
@@ -251,9 +254,9 @@ class SimulatedExecutor(Executor):
                 "set [model] max_model_len"
             )
         self.generator = torch.Generator().manual_seed(options.seed)
-        self.clock = 0.0
-        """Virtual seconds: the sum of every executed step's modelled cost."""
+        self._modelled_time_s = 0.0
         self.last_step_s = 0.0
+        """The modelled cost of the latest step."""
         self.num_pages = 0
 
     @property
@@ -278,13 +281,18 @@ class SimulatedExecutor(Executor):
             raise ValueError(f"num_pages must be at least 1, got {num_pages}")
         self.num_pages = num_pages
 
+    def modelled_time_s(self) -> float:
+        """The sum of every executed step's modelled cost, in seconds."""
+        return self._modelled_time_s
+
     def execute(self, batch: ModelInput) -> torch.Tensor:
-        """Advance the clock by the step's cost; int64 token ids ``[S]`` drawn from the seed."""
+        """Charge the step's cost to :meth:`modelled_time_s`; return int64 token ids ``[S]``
+        drawn from the seed."""
         query_lens = torch.diff(batch.query_start_loc_cpu).tolist()
         seq_lens = batch.seq_lens_cpu.tolist()
         num_sampled = int(batch.logits_indices.shape[0])
         self.last_step_s = self.cost.step_time(query_lens, seq_lens, num_sampled)
-        self.clock += self.last_step_s
+        self._modelled_time_s += self.last_step_s
         return torch.randint(
             0, self.shape.vocab_size, (num_sampled,), generator=self.generator, dtype=torch.int64
         )
