@@ -119,9 +119,10 @@ class OutputProcessor:
     ``f"{request_id}-{i}"``, each with ``n`` 1; with a ``seed``, choice i uses ``seed + i``
     (distinct and reproducible), without one the choices sample independently. Greedy
     sampling with ``n`` > 1 is allowed and gives ``n`` copies of one answer. There is no
-    ``best_of`` (the server refuses the field). Choice 0 runs first and the others join after
-    its first update (Brigade's fork: their prompt pages are then cached, not recomputed);
-    outputs are grouped by ``index`` whatever order they finish in.
+    ``best_of`` (as in vLLM v1, the server refuses one other than ``n``). Choice 0 runs
+    first and the others join after its first update (Brigade's fork: their prompt pages are
+    then cached, not recomputed); outputs are grouped by ``index`` whatever order they
+    finish in.
     """
 
     def __init__(self, detokenizer: Detokenizer) -> None:

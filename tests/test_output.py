@@ -7,12 +7,14 @@ checked once and its grammar compile started once, whichever front end it comes 
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog
 from litestar.testing import TestClient
 from server_harness import tiny_model
 
@@ -56,6 +58,9 @@ def llm(model_dir: Path) -> LLM:
 @pytest.fixture(scope="module")
 def server(model_dir: Path) -> Iterator[tuple[TestClient[Any], Any]]:
     """The HTTP app on its own engine (started in process, so tests can count calls)."""
+    # An earlier in-process `brigade serve` (tests/test_cli.py) leaves structlog writing to
+    # that test's captured stderr, closed since: log to the current stdout again.
+    structlog.reset_defaults()
     registry = default_registry()
     state = build_state(load_config(None, registry, overrides=settings(model_dir)), registry)
     try:
@@ -211,6 +216,24 @@ def test_offline_n_choices_share_the_prompt_pages(llm: LLM) -> None:
     assert len(result.outputs) == 4
     hits = llm.engine.stats().prefix_cache_hits - before
     assert hits >= 3 * 56, f"choices 1-3 should reuse choice 0's prompt pages, hits {hits}"
+
+
+def test_a_failing_finish_log_line_ends_the_response(
+    server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def closed_stream(*args: Any, **kwargs: Any) -> None:
+        raise ValueError("I/O operation on closed file.")
+
+    monkeypatch.setattr("brigade.server.frontend.log_request_finished", closed_stream)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(
+            server[0].post,
+            "/v1/completions",
+            json={"model": "tiny", "prompt": PROMPT, "max_tokens": 2, "n": 2},
+        )
+        response = answer.result(timeout=120)  # before: it waited for the choice forever
+    assert response.status_code == 500
+    assert "I/O operation" not in response.text, "no internals in the answer"
 
 
 # -- one admission ------------------------------------------------------------------------------

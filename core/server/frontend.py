@@ -136,29 +136,35 @@ class Frontend:
             return
         finally:
             if first_token_at is not None:
-                prompt_tokens = len(admission.prompt_token_ids)
-                self._finished(choice, prompt_tokens, arrival, first_token_at, finish_reason)
+                self._finished(choice, admission, arrival, first_token_at, finish_reason, out)
         out.put_nowait(None)
 
     def _finished(
         self,
         choice: Choice,
-        prompt_tokens: int,
+        admission: Admission,
         arrival: float,
         first_token_at: float,
         finish_reason: str,
+        out: asyncio.Queue[ChoiceDelta | BaseException | None],
     ) -> None:
+        """Metrics and the finish log line; a failure there (stderr closed, ...) goes to the
+        consumer like any other, so that the response ends rather than waits for this choice."""
         now = time.monotonic()
-        self.metrics.observe_finished(
-            prompt_tokens, choice.num_tokens, now - arrival, finish_reason
-        )
-        with structlog.contextvars.bound_contextvars(request_id=choice.request_id):
-            log_request_finished(
-                self.logger,
-                request_id=choice.request_id,
-                prompt_tokens=prompt_tokens,
-                output_tokens=choice.num_tokens,
-                ttft_s=first_token_at - arrival,
-                duration_s=now - arrival,
-                finish_reason=finish_reason,
+        prompt_tokens = len(admission.prompt_token_ids)
+        try:
+            self.metrics.observe_finished(
+                prompt_tokens, choice.num_tokens, now - arrival, finish_reason
             )
+            with structlog.contextvars.bound_contextvars(request_id=choice.request_id):
+                log_request_finished(
+                    self.logger,
+                    request_id=choice.request_id,
+                    prompt_tokens=prompt_tokens,
+                    output_tokens=choice.num_tokens,
+                    ttft_s=first_token_at - arrival,
+                    duration_s=now - arrival,
+                    finish_reason=finish_reason,
+                )
+        except Exception as exc:
+            out.put_nowait(exc)
