@@ -173,7 +173,8 @@ def main() -> None:
     ]
     structured = StructuredOutput("json_schema", json.dumps(schema(args.items)))
     started = time.perf_counter()
-    engine.prepare(SamplingParams(structured_output=structured)).result()  # type: ignore[union-attr]
+    admission = engine.admit(prompts[0], SamplingParams(structured_output=structured))
+    admission.grammar.result()  # type: ignore[union-attr]
     compile_s = time.perf_counter() - started
     constrained = [i % 2 == 0 for i in range(args.requests)]
     free = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Any
 from brigade.interfaces import SamplingParams
 
 if TYPE_CHECKING:
-    from brigade.llm import LLM, CompletionOutput, RequestOutput
+    from brigade.llm import LLM
+    from brigade.output import CompletionOutput, RequestOutput
 
 __version__ = "0.1.0"
 

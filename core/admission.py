@@ -2,17 +2,22 @@
 
 Whatever passes here is never refused later for its prompt or its sampling parameters; in
 particular a parameter that would overflow the step's number formats is refused here, where
-one request's value hurts nobody else.
+one request's value hurts nobody else. ``EngineCore.admit`` runs these checks and starts the
+grammar's compile; every front end (``LLM``, the server) admits each prompt once and hands
+the resulting :class:`Admission` to the engine with each of its choices.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 from brigade.errors import RequestError
 from brigade.interfaces import SamplingParams
 
-__all__ = ["FLOAT32_MAX", "FLOAT32_TINY", "check_request"]
+__all__ = ["FLOAT32_MAX", "FLOAT32_TINY", "Admission", "check_request"]
 
 FLOAT32_MAX = 3.4028234663852886e38
 """Largest finite float32: sampling parameters live in float32 rows and act on float32 logits
@@ -28,6 +33,23 @@ FLOAT_PARAMS = (
     "repetition_penalty",
 )
 MAX_INT64 = 2**63 - 1
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Admission:
+    """A prompt and its sampling parameters that the engine accepted to serve.
+
+    Made by ``EngineCore.admit`` only; ``EngineCore.add_request`` queues it (and each choice
+    of its fan-out, whose parameters differ from ``params`` in ``n`` and ``seed`` alone)
+    without checking it again.
+    """
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    grammar: concurrent.futures.Future[Any] | None
+    """The compile of ``params.structured_output``, started at admission (None: no grammar).
+    It fails with ``ValueError`` saying why when the grammar is invalid; the engine keeps a
+    request behind a gate, without pages, until it is done."""
 
 
 def check_request(

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from brigade.admission import check_request
+from brigade.admission import Admission, check_request
 from brigade.assemble import build_executor, build_sampler, open_model
 from brigade.config import EngineConfig, check_config
 from brigade.errors import ConfigError, EngineDeadError, RequestError, RequestFailedError
@@ -206,24 +206,22 @@ class EngineCore:
 
     # -- requests -----------------------------------------------------------------------
 
-    def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        """Raise ``RequestError`` (naming the field) if the engine cannot serve this request.
+    def admit(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> Admission:
+        """Check that the engine can serve this request and start compiling its grammar.
 
-        Read-only, so the server calls it off the engine thread: a request that passes is
-        never refused later for its prompt or its sampling parameters.
+        The one admission of a prompt, whatever front end it comes from: it raises
+        ``RequestError`` naming the field (``param``) when the request cannot be served, and
+        a request it admits is never refused later for its prompt or its sampling
+        parameters. Thread-safe (read-only but for the grammar compile, which runs on the
+        grammar stage's pool), so the server admits on its event loop. Await or wait for
+        ``grammar`` before answering to report an invalid grammar as the request's error.
         """
         check_request(
             prompt_token_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len
         )
+        return Admission(list(prompt_token_ids), params, self._start_grammar(params))
 
-    def prepare(self, params: SamplingParams) -> concurrent.futures.Future[Any] | None:
-        """Start compiling the request's grammar (None: it has none). Thread-safe.
-
-        The future fails with ``ValueError`` saying why when the grammar is invalid. The
-        server awaits it before answering, so a bad schema is a 400; a request added while
-        its grammar compiles waits behind a gate without holding pages. Raises
-        ``RequestError`` when this engine cannot constrain output at all.
-        """
+    def _start_grammar(self, params: SamplingParams) -> concurrent.futures.Future[Any] | None:
         if params.structured_output is None:
             return None
         if self._grammar_stage is None:
@@ -233,7 +231,9 @@ class EngineCore:
                 else f"the configured sampler {self.sampler_name!r} has no grammar stage; "
                 'use [sampler] plugin = "xgrammar"'
             )
-            raise RequestError(f"structured output is not available: {why}")
+            raise RequestError(
+                f"structured output is not available: {why}", param="structured_output"
+            )
         return self._grammar_stage.prepare(params)
 
     def add_request(
@@ -243,20 +243,25 @@ class EngineCore:
         params: SamplingParams,
         *,
         priority: int = 0,
+        admission: Admission | None = None,
         extra: Mapping[str, ExtraValue] | None = None,
     ) -> Request:
-        """Validate and queue a request; it runs from the next step on.
+        """Queue a request; it runs from the next step on.
 
-        ``extra`` is per-request data for plugins (``Request.extra``): str keys, JSON values.
-        Its arrival time is now on the engine clock.
+        ``admission`` is what :meth:`admit` returned for this prompt (for ``params``, or for
+        the parameters of the prompt whose fan-out child this is): the request is then not
+        checked again. Without it the request is admitted here (``RequestError`` when it
+        cannot be served). ``extra`` is per-request data for plugins (``Request.extra``): str
+        keys, JSON values. Its arrival time is on the engine clock.
         """
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in the engine")
-        self.validate(prompt_token_ids, params)
         try:
             extra_data = freeze_extra(extra)
         except ValueError as exc:
             raise RequestError(str(exc), param="extra") from None
+        if admission is None:
+            admission = self.admit(prompt_token_ids, params)
         request = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -266,10 +271,10 @@ class EngineCore:
             priority=priority,
             extra=extra_data,
         )
-        gate = self.prepare(params)
+        gate = admission.grammar
         if gate is not None:
             if gate.done() and gate.exception() is not None:
-                raise RequestError(str(gate.exception()))
+                raise RequestError(str(gate.exception()), param="structured_output")
             if not gate.done():
                 request.ready = False
                 self._gates[request] = gate

@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
+from brigade.admission import Admission
 from brigade.config import EngineConfig, load_config
-from brigade.engine import EngineCore, TokenLogprob
-from brigade.errors import RequestError
-from brigade.interfaces import Detokenizer, ExtraValue, Request, SamplingParams, freeze_extra
+from brigade.engine import EngineCore
+from brigade.errors import RequestError, RequestFailedError
+from brigade.interfaces import Detokenizer, ExtraValue, SamplingParams, freeze_extra
 from brigade.models.checkpoint import require_tokenizer
 from brigade.models.tokenizer_loading import render_chat_prompt
+from brigade.output import Choice, CompletionOutput, OutputProcessor, RequestOutput
 from brigade.registry import Registry, default_registry
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput"]
@@ -22,41 +23,6 @@ PROGRESS_BAR_THRESHOLD = 32
 """Batches of at least this many requests show a progress bar by default."""
 
 Prompt = str | Sequence[int]
-
-
-@dataclasses.dataclass(slots=True)
-class CompletionOutput:
-    """One generated sequence (``n`` of them per prompt)."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    """'stop' (EOS, stop token or stop string), 'length', 'abort', or 'error' (it failed on
-    its own: see ``error``)."""
-    stop_reason: str | None = None
-    """The stop string that ended it, when one did."""
-    logprobs: list[TokenLogprob | None] | None = None
-    error: str | None = None
-    """Why it failed (a plugin raised for it, or its sampling was undefined); the other
-    requests of the batch were not affected."""
-
-
-@dataclasses.dataclass(slots=True)
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-
-
-@dataclasses.dataclass(slots=True)
-class _Tracked:
-    """Frontend state of one engine request: its detokenizer state and collected output."""
-
-    output: CompletionOutput
-    state: Any
-    finished: bool = False
 
 
 class LLM:
@@ -82,6 +48,7 @@ class LLM:
         self.detokenizer: Detokenizer = self.registry.get(
             "detokenizer", config.plugin("detokenizer")
         ).factory(self.tokenizer, station.options)
+        self.processor = OutputProcessor(self.detokenizer)
         self._ids = itertools.count()
 
     def generate(
@@ -100,8 +67,10 @@ class LLM:
         (``Request.extra``: str keys, JSON values, e.g. ``{"deadline_s": 2.0}``), one mapping
         for all prompts or a list of one per prompt. Every prompt is validated before any
         runs: a bad one raises ``RequestError`` and nothing is generated. A request that
-        fails on its own while the batch runs gets ``finish_reason`` "error" and its
-        ``error``; the others finish as they would have alone. ``EngineDeadError`` means the
+        fails on its own while the batch runs (or that a plugin fails to queue) gets
+        ``finish_reason`` "error" and its ``error``; the others finish as they would have
+        alone. ``n`` > 1 fans out as :class:`~brigade.output.OutputProcessor` says (as the
+        server does: choice i of a seeded request uses seed + i). ``EngineDeadError`` means the
         engine can no longer run (the outputs are lost).
         """
         prompt_list = _as_prompt_list(prompts)
@@ -120,34 +89,24 @@ class LLM:
             params_list = list(sampling_params)
         else:
             params_list = [sampling_params or self.default_sampling_params()] * len(prompt_list)
-        encoded = [self._encode(p) for p in prompt_list]
-        for index, (token_ids, params) in enumerate(zip(encoded, params_list, strict=True)):
-            try:
-                self.engine.validate(token_ids, params)
-            except RequestError as exc:
-                raise RequestError(f"prompt {index}: {exc}") from None
-        self._check_grammars(params_list)
+        admissions = self._admit([self._encode(p) for p in prompt_list], params_list)
         results: list[RequestOutput] = []
-        tracked: dict[str, _Tracked] = {}
-        for prompt, token_ids, params, level, data in zip(
-            prompt_list, encoded, params_list, priorities, extras, strict=True
+        run = _Run(self.engine, self.processor)
+        for prompt, admission, level, data in zip(
+            prompt_list, admissions, priorities, extras, strict=True
         ):
             base = str(next(self._ids))
-            result = RequestOutput(base, prompt if isinstance(prompt, str) else None, token_ids, [])
-            for child in range(params.n):
-                child_params = params
-                if params.n > 1 and params.seed is not None:
-                    child_params = dataclasses.replace(params, seed=params.seed + child)
-                request = self.engine.add_request(
-                    f"{base}-{child}", token_ids, child_params, priority=level, extra=data
+            choices = self.processor.fan_out(base, admission.params)
+            outputs = [
+                CompletionOutput(
+                    c.index, "", [], None, logprobs=None if c.params.logprobs is None else []
                 )
-                completion = CompletionOutput(child, "", [], None)
-                if params.logprobs is not None:
-                    completion.logprobs = []
-                result.outputs.append(completion)
-                tracked[request.request_id] = _Tracked(completion, self.detokenizer.start(request))
-            results.append(result)
-        self._run(tracked, use_tqdm)
+                for c in choices
+            ]
+            text = prompt if isinstance(prompt, str) else None
+            results.append(RequestOutput(base, text, admission.prompt_token_ids, outputs))
+            run.add(choices, outputs, admission, level, data)
+        run.until_done(use_tqdm)
         return results
 
     def default_sampling_params(self) -> SamplingParams:
@@ -180,85 +139,98 @@ class LLM:
                 raise RequestError(f"conversation {index}: the chat template: {exc}") from None
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def _check_grammars(self, params_list: Sequence[SamplingParams]) -> None:
-        """Compile every structured-output grammar (in parallel); raise on the first bad one."""
-        gates = []
-        for index, params in enumerate(params_list):
+    def _admit(
+        self, encoded: Sequence[list[int]], params_list: Sequence[SamplingParams]
+    ) -> list[Admission]:
+        """Admit every prompt, then wait for their grammars (compiling in parallel); raise
+        ``RequestError`` naming the first bad prompt."""
+        admissions = []
+        for index, (token_ids, params) in enumerate(zip(encoded, params_list, strict=True)):
             try:
-                gates.append((index, self.engine.prepare(params)))
+                admissions.append(self.engine.admit(token_ids, params))
             except RequestError as exc:
-                raise RequestError(f"prompt {index}: {exc}") from None
-        for index, gate in gates:
-            if gate is None:
+                raise RequestError(f"prompt {index}: {exc}", param=exc.param) from None
+        for index, admission in enumerate(admissions):
+            if admission.grammar is None:
                 continue
             try:
-                gate.result()
+                admission.grammar.result()
             except ValueError as exc:
-                raise RequestError(f"prompt {index}: {exc}") from None
+                raise RequestError(f"prompt {index}: {exc}", param="structured_output") from None
+        return admissions
 
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             return list(self.tokenizer.encode(prompt, add_special_tokens=False))
         return [int(t) for t in prompt]
 
-    def _run(self, tracked: dict[str, _Tracked], use_tqdm: bool | None) -> None:
+
+class _Run:
+    """One ``generate`` call's choices, stepped until every one has finished."""
+
+    def __init__(self, engine: EngineCore, processor: OutputProcessor) -> None:
+        self.engine = engine
+        self.processor = processor
+        self.choices: dict[
+            str, tuple[Choice, CompletionOutput, Admission, int, Mapping[str, ExtraValue]]
+        ] = {}
+        self.num_unfinished = 0
+
+    def add(
+        self,
+        choices: Sequence[Choice],
+        outputs: Sequence[CompletionOutput],
+        admission: Admission,
+        priority: int,
+        extra: Mapping[str, ExtraValue],
+    ) -> None:
+        """Register a prompt's choices; the first is queued now, the others follow it."""
+        for choice, output in zip(choices, outputs, strict=True):
+            self.choices[choice.request_id] = (choice, output, admission, priority, extra)
+        self.num_unfinished += len(choices)
+        self._submit(choices[0])
+
+    def until_done(self, use_tqdm: bool | None) -> None:
         from tqdm import tqdm
 
-        show = len(tracked) >= PROGRESS_BAR_THRESHOLD if use_tqdm is None else use_tqdm
-        with tqdm(total=len(tracked), disable=not show, desc="generate", unit="req") as bar:
-            remaining = len(tracked)
-            while remaining:
+        total = len(self.choices)
+        show = total >= PROGRESS_BAR_THRESHOLD if use_tqdm is None else use_tqdm
+        with tqdm(total=total, disable=not show, desc="generate", unit="req") as bar:
+            num_shown = 0
+            while self.num_unfinished:
                 for update in self.engine.step():
-                    entry = tracked[update.request.request_id]
-                    if update.error is not None:
-                        if update.invalid:  # only if a grammar failed after _check
-                            raise RequestError(update.error)
-                        entry.output.finish_reason = "error"
-                        entry.output.error = update.error
-                        entry.finished = True
-                        remaining -= 1
-                        bar.update(1)
-                        continue
-                    if self._apply(entry, update.request, update.new_token_ids, update.logprobs):
-                        remaining -= 1
-                        bar.update(1)
-                        continue
-                    if update.finished:
-                        self._finish(entry, update.request)
-                        remaining -= 1
-                        bar.update(1)
+                    choice, output, *_ = self.choices[update.request.request_id]
+                    delta = self.processor.process(choice, update)
+                    if isinstance(delta.error, RequestError):  # only if its grammar failed late
+                        raise delta.error
+                    output.append(delta)
+                    if choice.followers:
+                        for follower in choice.take_followers():
+                            self._submit(follower)
+                    if delta.stop_reason is not None:  # a stop string: the engine would go on
+                        self.engine.abort_request(choice.request_id)
+                    if choice.finished:
+                        self.num_unfinished -= 1
+                bar.update(total - self.num_unfinished - num_shown)
+                num_shown = total - self.num_unfinished
 
-    def _apply(
-        self,
-        entry: _Tracked,
-        request: Request,
-        token_ids: list[int],
-        logprobs: list[TokenLogprob] | None,
-    ) -> bool:
-        """Add new tokens and their text; True when a stop string ended the request."""
-        output = entry.output
-        output.token_ids.extend(token_ids)
-        if output.logprobs is not None and logprobs is not None:
-            output.logprobs.extend(logprobs)
-        delta = self.detokenizer.step(entry.state, token_ids)
-        output.text += delta.text
-        if delta.stop_reason is None:
-            return False
-        self.engine.abort_request(request.request_id)
-        keep = delta.num_tokens_to_stop if delta.num_tokens_to_stop is not None else None
-        if keep is not None:
-            del output.token_ids[keep:]
-            if output.logprobs is not None:
-                del output.logprobs[keep:]
-        output.finish_reason = "stop"
-        output.stop_reason = delta.stop_reason
-        entry.finished = True
-        return True
-
-    def _finish(self, entry: _Tracked, request: Request) -> None:
-        entry.output.text += self.detokenizer.finish(entry.state).text
-        entry.output.finish_reason = request.status.value
-        entry.finished = True
+    def _submit(self, choice: Choice) -> None:
+        """Queue ``choice``; when the engine cannot (a plugin failed), it fails alone."""
+        _, output, admission, priority, extra = self.choices[choice.request_id]
+        try:
+            self.engine.add_request(
+                choice.request_id,
+                admission.prompt_token_ids,
+                choice.params,
+                priority=priority,
+                admission=admission,
+                extra=extra,
+            )
+        except RequestFailedError as exc:
+            output.append(self.processor.fail(choice, exc))
+            self.num_unfinished -= 1
+            for follower in choice.take_followers():
+                self._submit(follower)
 
 
 def _extra_per_prompt(

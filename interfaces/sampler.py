@@ -154,8 +154,9 @@ class LogitsProcessor(abc.ABC):
     def prepare(self, params: SamplingParams) -> Future[None] | None:
         """Start slow per-request work (compiling a grammar) off the step loop.
 
-        Called for every request whose ``params.structured_output`` is set, possibly from a
-        thread other than the engine's (the server checks grammars before it answers), so it
+        Called once per prompt whose ``params.structured_output`` is set, when core admits
+        it (``EngineCore.admit``; the ``n`` choices of the prompt share the future), possibly
+        from a thread other than the engine's (the server admits before it answers), so it
         must be thread-safe. Core keeps the request unscheduled (``Request.ready`` False,
         holding no KV pages) until the future is done. A future that fails with
         ``ValueError`` means the request is invalid; its message says why. None: nothing to

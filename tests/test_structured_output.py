@@ -718,7 +718,8 @@ def test_a_grammar_that_fails_after_the_request_was_queued_refuses_it(
     assert engine.step() == []  # waiting for its grammar, nothing else to run
     assert engine.has_unfinished()
     slow_compiles.set()
-    engine.prepare(request.sampling_params).exception(timeout=30)  # type: ignore[union-attr]
+    grammar = engine.admit(request.prompt_token_ids, request.sampling_params).grammar
+    grammar.exception(timeout=30)  # type: ignore[union-attr]
     (update,) = engine.step()
     assert update.request is request
     assert update.finished

@@ -19,8 +19,9 @@ import dataclasses
 import logging
 import queue
 import threading
-from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping
 
+from brigade.admission import Admission
 from brigade.engine import EngineCore, EngineStats, StepUpdate
 from brigade.errors import EngineDeadError, RequestError, RequestFailedError
 from brigade.interfaces import EMPTY_EXTRA, ExtraValue, SamplingParams
@@ -35,7 +36,7 @@ logger = logging.getLogger(__name__)
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Add:
     request_id: str
-    prompt_token_ids: list[int]
+    admission: Admission
     params: SamplingParams
     priority: int
     sink: asyncio.Queue[StepUpdate | BaseException]
@@ -106,23 +107,24 @@ class AsyncEngine:
     async def generate(
         self,
         request_id: str,
-        prompt_token_ids: Sequence[int],
+        admission: Admission,
         params: SamplingParams,
         *,
         priority: int = 0,
         check_queue: bool = True,
         extra: Mapping[str, ExtraValue] = EMPTY_EXTRA,
     ) -> AsyncGenerator[StepUpdate, None]:
-        """Submit a request and yield its updates; leaving early aborts it in the engine.
-        ``extra`` becomes the request's ``Request.extra``.
+        """Submit an admitted prompt with ``params`` and yield its updates; leaving early
+        aborts it in the engine. ``extra`` becomes the request's ``Request.extra``.
 
+        ``admission`` is ``EngineCore.admit``'s for the prompt (``params`` are its
+        parameters, or a fan-out child's): the engine does not check the request again.
         Before its first update a failure raises: ``RequestError`` (the request is invalid),
         ``RequestFailedError`` (a plugin failed for it) or ``EngineDeadError``. After it, a
         failure of this request alone arrives as its last update, with ``error`` set.
         ``check_queue`` False skips the waiting-queue bound (the parent request took the
         place: ``n`` > 1 choices).
         """
-        self.engine.validate(prompt_token_ids, params)  # read-only: safe off the thread
         self.check_capacity(1 if check_queue else 0)
         sink: asyncio.Queue[StepUpdate | BaseException] = asyncio.Queue()
         loop = asyncio.get_running_loop()
@@ -131,9 +133,7 @@ class AsyncEngine:
         started = False
         finished = False
         try:
-            self._send(
-                _Add(request_id, list(prompt_token_ids), params, priority, sink, loop, extra)
-            )
+            self._send(_Add(request_id, admission, params, priority, sink, loop, extra))
             if self.dead is not None:  # it died as we sent: nobody may be left to answer
                 finished = True
                 raise EngineDeadError(self.dead)
@@ -239,9 +239,10 @@ class AsyncEngine:
         try:
             self.engine.add_request(
                 command.request_id,
-                command.prompt_token_ids,
+                command.admission.prompt_token_ids,
                 command.params,
                 priority=command.priority,
+                admission=command.admission,
                 extra=command.extra,
             )
         except (RequestError, RequestFailedError) as exc:

@@ -12,9 +12,11 @@ from typing import Any
 from litestar import Request, Response
 from litestar.response import Stream
 
+from brigade.admission import Admission
 from brigade.errors import RequestError
 from brigade.interfaces import SamplingParams
 from brigade.models.tokenizer_loading import render_chat_prompt
+from brigade.output import ChoiceDelta
 from brigade.server import protocol as proto
 from brigade.server import responses as out
 from brigade.server import streaming
@@ -24,7 +26,6 @@ from brigade.server.errors import (
     ServerOverloadedError,
     api_error,
 )
-from brigade.server.frontend import ChoiceDelta
 from brigade.server.guards import charge_rate_limit, check_batch_size, check_context
 from brigade.server.state import ServerState, json_response
 
@@ -41,18 +42,21 @@ async def chat_completion(
         default_max_tokens=max(1, state.max_model_len - len(prompt)),
         defaults=state.async_engine.engine.sampling_defaults,
     )
-    _validate(state, prompt, params, prompt_param="messages")
+    calls_tools = body.tool_choice_spec() is not None
+    grammar_param = "tools" if calls_tools else "response_format"
+    admission = _admission(
+        state, prompt, params, prompt_param="messages", grammar_param=grammar_param
+    )
     if body.max_completion_tokens is not None:
         check_context(len(prompt), params, state.max_model_len, "max_completion_tokens")
     elif body.max_tokens is not None:
         check_context(len(prompt), params, state.max_model_len, "max_tokens")
-    calls_tools = body.tool_choice_spec() is not None
-    _admit(state, request, [prompt], params)
-    await _prepare_grammar(state, params, "tools" if calls_tools else "response_format")
+    _charge(state, request, [prompt], params)
+    await _await_grammar(state, [admission], grammar_param)
     response_id = out.new_chat_id()
     deltas = await _first(
         state.frontend.generate(
-            response_id, prompt, params, priority=body.priority or 0, extra=body.extra()
+            response_id, admission, priority=body.priority or 0, extra=body.extra()
         ),
         prompt_param="messages",
     )
@@ -100,12 +104,22 @@ async def completion(
         default_max_tokens=max(1, state.max_model_len - longest),  # an explicit null
         defaults=state.async_engine.engine.sampling_defaults,
     )
+    admissions = []
     for index, prompt in enumerate(prompts):
-        _validate(state, prompt, params, prompt_param="prompt", index=index)
+        admissions.append(
+            _admission(
+                state,
+                prompt,
+                params,
+                prompt_param="prompt",
+                grammar_param="response_format",
+                index=index,
+            )
+        )
         if body.max_tokens is not None:
             check_context(len(prompt), params, state.max_model_len, "max_tokens")
-    _admit(state, request, prompts, params)
-    await _prepare_grammar(state, params, "response_format")
+    _charge(state, request, prompts, params)
+    await _await_grammar(state, admissions, "response_format")
     response_id = out.new_completion_id()
     priority = body.priority or 0
     deltas = await _first(
@@ -113,13 +127,12 @@ async def completion(
             [
                 state.frontend.generate(
                     f"{response_id}-{i}",
-                    p,
-                    params,
+                    admission,
                     priority=priority,
                     index_offset=i * params.n,
                     extra=body.extra(),
                 )
-                for i, p in enumerate(prompts)
+                for i, admission in enumerate(admissions)
             ]
         ),
         prompt_param="prompt",
@@ -202,25 +215,27 @@ def _encode_prompts(state: ServerState, prompts: Sequence[str | list[int]]) -> l
     ]
 
 
-def _validate(
+def _admission(
     state: ServerState,
     prompt: list[int],
     params: SamplingParams,
     *,
     prompt_param: str,
+    grammar_param: str,
     index: int | None = None,
-) -> None:
-    """The engine's admission check, as a 400 naming the field (``prompt_param`` for the
-    prompt; a batch's message names the prompt's index)."""
+) -> Admission:
+    """The engine's admission of one prompt (checked, its grammar compiling), or a 400
+    naming the field (``prompt_param`` for the prompt, ``grammar_param`` for the grammar; a
+    batch's message names the prompt's ``index``)."""
     try:
-        state.async_engine.engine.validate(prompt, params)
+        return state.async_engine.engine.admit(prompt, params)
     except RequestError as exc:
-        param = prompt_param if exc.param in (None, "prompt") else exc.param
+        param = {None: prompt_param, "prompt": prompt_param, "structured_output": grammar_param}
         message = str(exc) if index is None else f"prompt {index}: {exc}"
-        raise ProtocolError(message, param=param) from None
+        raise ProtocolError(message, param=param.get(exc.param, exc.param)) from None
 
 
-def _admit(
+def _charge(
     state: ServerState,
     request: Request[Any, Any, Any],
     prompts: Sequence[list[int]],
@@ -235,19 +250,18 @@ def _admit(
     charge_rate_limit(request, state.limiter, state.settings, prompts, budget)
 
 
-async def _prepare_grammar(state: ServerState, params: SamplingParams, param: str) -> None:
-    """Compile the request's grammar before answering (off the engine's step loop): an
-    invalid one is a 400 naming ``param``, before any token is generated."""
-    spec = params.structured_output
+async def _await_grammar(state: ServerState, admissions: Sequence[Admission], param: str) -> None:
+    """Wait for the grammar the admission started compiling (off the engine's step loop):
+    an invalid one is a 400 naming ``param``, before any token is generated."""
+    spec = admissions[0].params.structured_output
     if spec is None:
         return
-    engine = state.async_engine.engine
     started = time.monotonic()
     try:
-        gate = engine.prepare(params)
-        if gate is not None:
-            await asyncio.wrap_future(gate)
-    except (RequestError, ValueError) as exc:
+        for admission in admissions:
+            if admission.grammar is not None:
+                await asyncio.wrap_future(admission.grammar)
+    except ValueError as exc:
         state.metrics.observe_grammar(spec.kind, time.monotonic() - started, valid=False)
         raise ProtocolError(str(exc), param=param) from None
     state.metrics.observe_grammar(spec.kind, time.monotonic() - started, valid=True)

@@ -11,9 +11,9 @@ from typing import Any
 import structlog
 
 from brigade.engine import TokenLogprob
+from brigade.output import ChoiceDelta
 from brigade.server import responses as out
 from brigade.server.errors import APIError, InternalServerError, api_error
-from brigade.server.frontend import ChoiceDelta
 from brigade.server.tools import ToolCallStream, tool_call_dicts
 
 __all__ = [
