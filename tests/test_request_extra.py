@@ -173,8 +173,11 @@ def test_llm_generate_hands_one_extra_to_every_prompt_or_one_each(llm: LLM) -> N
     recorded = seen(llm)
     assert [dict(recorded[key]) for key in list(recorded)[-2:]] == [{"tenant": "acme"}] * 2
     llm.generate(prompts, SamplingParams(max_tokens=2, n=2), extra=[{"deadline_s": 1}, None])
-    last = list(recorded.values())[-4:]  # two choices per prompt
-    assert [dict(extra) for extra in last] == [{"deadline_s": 1}] * 2 + [{}] * 2
+    # Two choices per prompt; followers join after choice 0's first token, so order by id.
+    last = sorted(
+        list(recorded.items())[-4:], key=lambda item: [int(p) for p in item[0].split("-")]
+    )
+    assert [dict(extra) for _, extra in last] == [{"deadline_s": 1}] * 2 + [{}] * 2
 
 
 def test_llm_generate_refuses_a_bad_extra_before_running_anything(llm: LLM) -> None:
