@@ -15,6 +15,8 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "cpu_exp.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -22,25 +24,6 @@
 #include <tuple>
 
 namespace {
-
-// exp(x), vectorizable: 2^n * p(r), r = x - n ln2, degree-6 polynomial (relative error < 2e-7).
-inline float exp_approx(float x) {
-  x = std::min(std::max(x, -87.0f), 88.0f);
-  // Round to nearest by adding and subtracting 1.5 * 2^23 (std::nearbyint honours the
-  // rounding mode and is not vectorized: a library call per element).
-  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
 
 // Rows per task such that a task holds at least ~16K elements (smaller work runs inline).
 inline int64_t grain(int64_t row_elements) {
@@ -118,7 +101,9 @@ at::Tensor silu_mul(at::Tensor gate_up) {
       const float* up = gate + width;
       float* o = out.data_ptr<float>() + row * width;
 #pragma omp simd
-      for (int64_t e = 0; e < width; ++e) o[e] = gate[e] / (1.0f + exp_approx(-gate[e])) * up[e];
+      for (int64_t e = 0; e < width; ++e) {
+        o[e] = gate[e] / (1.0f + brigade_cpu::exp_clamped(-gate[e])) * up[e];
+      }
     }
   });
   return out;

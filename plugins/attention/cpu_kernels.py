@@ -30,6 +30,7 @@ __all__ = ["cpu_ops", "paged_decode_kernel"]
 logger = logging.getLogger(__name__)
 
 _SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_paged.cpp", "cpu_fused.cpp"))
+_HEADERS = (Path(__file__).with_name("cpu_exp.h"),)
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math", "-fno-math-errno"]
 """As torch's own build: without the last two, GCC keeps the float clamps and exp of the
 kernels' loops scalar."""
@@ -43,7 +44,7 @@ def _cache_dir() -> Path:
             flags = next((line for line in info if line.startswith("flags")), "")
     except OSError:
         pass
-    sources = b"".join(source.read_bytes() for source in _SOURCES)
+    sources = b"".join(source.read_bytes() for source in (*_SOURCES, *_HEADERS))
     build = " ".join([torch.__version__, *_CFLAGS, flags]).encode()
     key = hashlib.sha256(sources + build).hexdigest()[:16]
     return cache_root() / "extensions" / f"cpu_paged-{key}"

@@ -14,6 +14,8 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
+
+#include "cpu_exp.h"
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
@@ -28,26 +30,6 @@ namespace {
 
 inline float to_float(float value) { return value; }
 inline float to_float(c10::BFloat16 value) { return static_cast<float>(value); }
-
-// exp(x) for x <= 0 (softmax after subtracting the maximum), vectorizable: 2^n * p(r) with
-// r = x - n ln2 in [-ln2/2, ln2/2] and a degree-6 polynomial (relative error < 2e-7).
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  // Round to nearest by adding and subtracting 1.5 * 2^23 (std::nearbyint honours the
-  // rounding mode and is not vectorized: a library call per element).
-  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
 
 // Scores of `group` query heads against one key vector: out[g * stride] = q_g . key * scale.
 template <typename Cache>
@@ -71,7 +53,7 @@ inline void softmax_rows(float* s, int64_t group, int64_t count) {
     float total = 0.0f;
 #pragma omp simd reduction(+ : total)
     for (int64_t t = 0; t < count; ++t) {
-      sg[t] = exp_nonpositive(sg[t] - maximum);
+      sg[t] = brigade_cpu::exp_clamped(sg[t] - maximum);
       total += sg[t];
     }
     const float inverse = 1.0f / total;
