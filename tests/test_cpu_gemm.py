@@ -16,7 +16,7 @@ from torch import nn
 from brigade.model_input import SeqChunk, build_model_input
 from brigade.models.create import create_model
 from brigade.plugins.executors import cpu_gemm
-from brigade.plugins.executors.cpu_gemm import OneDnnLinear, pack_linears
+from brigade.plugins.executors.cpu_gemm import OneDnnLinear, use_onednn_linears
 
 pytestmark = pytest.mark.skipif(
     not cpu_gemm.onednn_usable(), reason="this torch build has no oneDNN linear op"
@@ -38,11 +38,11 @@ def test_onednn_linear_equals_f_linear_below_and_above_its_threshold(
     torch.testing.assert_close(packed(wide), F.linear(wide, linear.weight, linear.bias))
 
 
-def test_pack_linears_swaps_float32_linears_and_keeps_their_parameters() -> None:
+def test_use_onednn_linears_swaps_float32_linears_and_keeps_their_parameters() -> None:
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Sequential(nn.Linear(16, 4)))
     model.append(nn.Linear(4, 4, dtype=torch.bfloat16))
     weights = [model[0].weight, model[2][0].weight]
-    assert pack_linears(model, min_rows=2) == 2
+    assert use_onednn_linears(model, min_rows=2) == 2
     assert isinstance(model[0], OneDnnLinear)
     assert isinstance(model[2][0], OneDnnLinear)
     assert type(model[3]) is nn.Linear, "only float32 layers are swapped"
@@ -64,7 +64,7 @@ def test_an_unusable_onednn_leaves_the_model_plain_with_a_warning(
     monkeypatch.setattr(cpu_gemm, "onednn_usable", lambda: False)
     model = nn.Sequential(nn.Linear(8, 8))
     with caplog.at_level(logging.WARNING, logger=cpu_gemm.__name__):
-        assert pack_linears(model, min_rows=2) == 0
+        assert use_onednn_linears(model, min_rows=2) == 0
     assert type(model[0]) is nn.Linear
     assert "GEMMs stay plain" in caplog.text
 

@@ -3,7 +3,7 @@
 ``F.linear`` on a CPU in float32 calls MKL's sgemm. oneDNN's matmul
 (``torch.ops.mkldnn._linear_pointwise``) on the same weight, as loaded (no copy), is faster at
 the shapes of small decoders: 1.2-1.4x over SmolLM2's layers at 1-32 rows on the 2-core AVX2
-machine, 2x on its LM head (docs/benchmarks.md). :func:`pack_linears` swaps every float32
+machine, 2x on its LM head (docs/benchmarks.md). :func:`use_onednn_linears` swaps every float32
 ``nn.Linear`` of a model for a :class:`OneDnnLinear`, a module swap (as ``torch.ao``
 quantization does) that keeps the original ``weight`` and ``bias`` parameters, so checkpoint
 names, ``state_dict`` and memory stay as they were.
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["OneDnnLinear", "onednn_linear", "onednn_usable", "pack_linears"]
+__all__ = ["OneDnnLinear", "onednn_linear", "onednn_usable", "use_onednn_linears"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class OneDnnLinear(nn.Linear):
         return onednn_linear(x, self.weight, self.bias)
 
 
-def pack_linears(model: nn.Module, min_rows: int) -> int:
+def use_onednn_linears(model: nn.Module, min_rows: int) -> int:
     """Swap every float32 CPU ``nn.Linear`` of ``model`` for a :class:`OneDnnLinear`.
 
     Returns the number of layers swapped (0 where oneDNN's op is missing: a warning is logged

@@ -26,7 +26,7 @@ from brigade.interfaces import (
 from brigade.model_input import SeqChunk, build_model_input
 from brigade.models.checkpoint import open_checkpoint
 from brigade.models.loader import DTYPES, resolve_dtype
-from brigade.plugins.executors.cpu_gemm import pack_linears
+from brigade.plugins.executors.cpu_gemm import use_onednn_linears
 from brigade.plugins.models.decoder import CpuFusion
 
 if TYPE_CHECKING:
@@ -140,7 +140,7 @@ class TorchExecutor(Executor):
         if isinstance(self.model, torch.nn.Module):
             self.model.eval()
             if self.device.type == "cpu" and options.onednn_min_rows and not options.compile:
-                pack_linears(self.model, options.onednn_min_rows)
+                use_onednn_linears(self.model, options.onednn_min_rows)
         if isinstance(fusion := getattr(self.model, "fusion", None), CpuFusion):
             fusion.enabled = options.fused_ops
         self.forward_fn: Callable[..., torch.Tensor] = self.model.forward
