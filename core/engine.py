@@ -30,7 +30,6 @@ from brigade.interfaces import (
     Sampler,
     SamplerParams,
     SamplingParams,
-    Scheduler,
     SchedulerOutput,
     SchedulerParams,
     freeze_extra,
@@ -38,6 +37,8 @@ from brigade.interfaces import (
 from brigade.persistent_batch import PersistentBatch, StepPlan
 from brigade.registry import Registry
 from brigade.sampling_stage import SampledTokens, SamplingStage, TokenLogprob, describe
+from brigade.scheduling import BatchScheduler
+from brigade.swap import SwapSpace
 
 __all__ = ["EngineCore", "EngineStats", "StepUpdate", "TokenLogprob"]
 
@@ -140,18 +141,19 @@ class EngineCore:
             KVPoolParams(model.num_pages, model.page_size, kv_settings.enable_prefix_caching),
             config["kv"].options,
         )
-        self.scheduler: Scheduler = registry.get("scheduler", config.plugin("scheduler")).factory(
+        policy = registry.get("scheduler", config.plugin("scheduler")).factory
+        policy_options = config["scheduler"].options
+        self.scheduler = BatchScheduler(
             SchedulerParams(
                 max_num_seqs=settings.max_num_seqs,
                 max_num_batched_tokens=settings.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
                 enable_chunked_prefill=settings.enable_chunked_prefill,
-                preemption=settings.preemption,
-                host_pages=model.host_pages,
                 clock=clock,
             ),
             self.kv,
-            config["scheduler"].options,
+            lambda view: policy(view, policy_options),
+            swap=SwapSpace(model.host_pages) if settings.preemption == "swap" else None,
         )
         self.device = torch.device(self.executor.device)
         self.sampler_name = config.plugin("sampler")

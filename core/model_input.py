@@ -13,6 +13,7 @@ from typing import Literal
 import torch
 
 from brigade.interfaces import ModelInput
+from brigade.interfaces.request import is_decode
 
 __all__ = ["LogitsWanted", "SeqChunk", "build_model_input"]
 
@@ -37,7 +38,7 @@ class SeqChunk:
     @property
     def is_decode(self) -> bool:
         """Exactly one new token after a cached context."""
-        return len(self.token_ids) == 1 and self.num_computed_tokens > 0
+        return is_decode(len(self.token_ids), self.num_computed_tokens)
 
 
 def build_model_input(seqs: Sequence[SeqChunk], page_size: int) -> ModelInput:

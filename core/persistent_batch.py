@@ -92,20 +92,21 @@ class PersistentBatch:
         self.token_ids[list(rows), list(positions)] = torch.tensor(tokens, dtype=torch.int64)
 
     def prepare(self, scheduled: Sequence[ScheduledRequest], kv: KVManager) -> StepPlan:
-        """Build the step's ModelInput; rows with a decode come first (scheduler order)."""
+        """Build the step's ModelInput: decode rows first (the layout every attention backend
+        expects), each group in the scheduler's order."""
         rows, computed, counts = [], [], []
         sampled: list[Request] = []
         sampled_rows: list[int] = []
         logits_rows: list[int] = []
         num_decodes, token_offset = 0, 0
-        for item in scheduled:
+        for item in sorted(scheduled, key=_prefill_last):
             request, num_new = item.request, item.num_new_tokens
             row = self.rows[request.request_id]
             self._sync_pages(row, kv.block_table(request))
             rows.append(row)
             computed.append(request.num_computed_tokens)
             counts.append(num_new)
-            if num_new == 1 and request.num_computed_tokens > 0:
+            if item.is_decode:
                 num_decodes += 1
             token_offset += num_new
             if request.num_computed_tokens + num_new == request.num_tokens:
@@ -178,3 +179,7 @@ class PersistentBatch:
             new = torch.tensor(block_table[known:], dtype=torch.int32)
             self.block_tables[row, known : len(block_table)] = new
             self.num_pages[row] = len(block_table)
+
+
+def _prefill_last(item: ScheduledRequest) -> bool:
+    return not item.is_decode

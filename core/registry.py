@@ -23,7 +23,13 @@ from brigade.errors import (
 from brigade.interfaces import API_VERSION, COMPONENT_KINDS, FACTORY_ARGUMENTS, NoOptions
 from brigade.interfaces.hookspecs import PROJECT_NAME, BrigadeHookSpec
 
-__all__ = ["Component", "Registry", "default_registry", "load_registry"]
+__all__ = ["MIGRATION_DOC", "Component", "Registry", "default_registry", "load_registry"]
+
+MIGRATION_DOC = 'docs/plugins.md, "Migrating a 1.x plugin to 2.0"'
+"""Where a plugin author reads what changed between API majors."""
+
+_REPLACED = frozenset({"scheduler"})
+"""Kinds whose contract API 2.0 replaced (1.x schedulers subclassed core's BatchScheduler)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -119,6 +125,8 @@ class Registry:
                 f"install a release of {self._source.split()[0]} built for API {ours[0]}.x, "
                 f"or a Brigade that provides API {wanted[0]}.x"
             )
+            if wanted[0] < ours[0]:
+                advice += f"; to port it, see {MIGRATION_DOC}"
         else:
             advice = f"upgrade Brigade to one that provides API {api_version} or newer"
         raise IncompatiblePluginError(
@@ -184,6 +192,7 @@ def _check_factory(kind: str, name: str, factory: Callable[..., Any]) -> None:
                 f"{kind} {name!r}: {factory.__qualname__} does not implement the "
                 f"{contract.__name__} contract: subclass brigade.interfaces.{contract.__name__}"
                 + (f" and define {', '.join(missing)}" if missing else "")
+                + (f" (written for API 1.x? see {MIGRATION_DOC})" if kind in _REPLACED else "")
             )
         if inspect.isabstract(factory):
             left = ", ".join(sorted(getattr(factory, "__abstractmethods__", ())))

@@ -1,134 +1,157 @@
 """The scheduling mechanics every policy shares: continuous batching, chunked prefill under
-one token budget, admission through the KV manager, preemption by recompute.
+one token budget, admission through the KV manager, preemption by recompute or swap.
 
-A policy subclasses :class:`BatchScheduler` and overrides only the ordering of the waiting
-queue (:meth:`~BatchScheduler.enqueue`, :meth:`~BatchScheduler.next_waiting`) and the choice of
-victims (:meth:`~BatchScheduler.choose_victim` when a running request cannot grow,
-:meth:`~BatchScheduler.victim_for` when a waiting request cannot be admitted).
+A policy (``brigade.interfaces.SchedulingPolicy``, the ``scheduler`` plugin kind) decides only
+the order: which waiting request is admitted next and which running one is preempted.
+:class:`BatchScheduler` does the rest and is the view the policy reads.
 """
 
 from __future__ import annotations
 
-import collections
-from collections.abc import Iterable, Sequence
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
 
 from brigade.interfaces import (
     KVManager,
     Request,
     RequestStatus,
     ScheduledRequest,
-    Scheduler,
     SchedulerOutput,
     SchedulerParams,
-    SchedulerStats,
+    SchedulingPolicy,
 )
+from brigade.swap import SwapSpace
 
-__all__ = ["BatchScheduler"]
+__all__ = ["BatchScheduler", "PolicyFactory", "SchedulerStats"]
+
+PolicyFactory = Callable[["BatchScheduler"], SchedulingPolicy]
+"""Builds the policy from the scheduler it will read (its ``SchedulerView``)."""
 
 
-class BatchScheduler(Scheduler):
+@dataclasses.dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+
+
+class BatchScheduler:
     """Plans each step: running requests first (decodes and prefill chunks), then admissions.
 
-    Running requests are served in the order they were admitted; a request that cannot grow
-    preempts victims chosen by the policy until it fits, or is preempted itself. Waiting
-    requests are admitted in the policy's order while the token budget, ``max_num_seqs`` and
-    the KV pool allow; when they do not, the policy may preempt a running request for the next
-    waiting one (:meth:`victim_for`). No admission happens in a step where a running request
-    had to be preempted to grow, and a request preempted in a step is not readmitted in it.
+    Running requests are served in the policy's order (:meth:`SchedulingPolicy.order_running`,
+    admission order by default); a request that cannot grow preempts victims chosen by the
+    policy until it fits, or is preempted itself. Waiting requests are admitted in the
+    policy's order while the token budget, ``max_num_seqs`` and the KV pool allow; when they
+    do not, the policy may preempt a running request for the next waiting one
+    (:meth:`SchedulingPolicy.victim_for`). No admission happens in a step where a running
+    request had to be preempted to grow, and a request preempted in a step is not readmitted
+    in it.
+
+    Ownership: the scheduler is the KV manager's only caller during :meth:`schedule` and
+    writes ``status``, ``num_computed_tokens`` and ``num_preemptions`` of its requests. Core
+    appends sampled tokens, decides when a request is finished, then calls :meth:`update` and
+    frees the pages. A request whose ``ready`` is False (its grammar is compiling) is held
+    back, without pages, until core sets it; the policy sees it only then.
+
+    Implements ``SchedulerView`` for the policy: :attr:`params`, :attr:`running`,
+    :attr:`num_steps`, :meth:`now`, :meth:`cached_prefix_len`.
     """
 
-    def __init__(self, params: SchedulerParams, kv: KVManager) -> None:
-        super().__init__(params, kv)
-        self.running: list[Request] = []
-        self.waiting: collections.deque[Request] = collections.deque()
+    def __init__(
+        self,
+        params: SchedulerParams,
+        kv: KVManager,
+        policy: PolicyFactory,
+        *,
+        swap: SwapSpace | None = None,
+    ) -> None:
+        self.params = params
+        self.kv = kv
+        self.swap = swap
+        """Host pages for swap preemption; None: preempted requests recompute."""
+        self._running: list[Request] = []
+        self._waiting: dict[str, Request] = {}
+        """Requests queued in the policy, by id (for abort and stats)."""
         self.gated: list[Request] = []
         """Requests that are not ready yet (grammar compiling): queued once they are."""
         self.num_preemptions = 0
-        # Swap preemption: host pages hold a victim's KV until it is admitted again.
-        self._host_free: list[int] = list(params.host_pages)
-        self._host_released: list[int] = []
-        """Freed by this step's swap-ins: reusable once their copies have run (next step)."""
-        self._swapped: dict[str, list[int]] = {}
-        self._swap_out: list[tuple[int, int]] = []
-        self._swap_in: list[tuple[int, int]] = []
-        self.num_swapped_out = 0
-        self.num_swapped_in = 0
+        self.num_steps = 0
         self._admitted_now: set[int] = set()
+        self.policy = policy(self)
 
-    # -- policy hooks -------------------------------------------------------------------
+    # -- the policy's view ----------------------------------------------------------------
 
-    def enqueue(self, request: Request, *, preempted: bool) -> None:
-        """Put ``request`` in the waiting queue (FCFS: arrival order, preempted first)."""
-        if preempted:
-            self.waiting.appendleft(request)
-        else:
-            self.waiting.append(request)
+    @property
+    def running(self) -> Sequence[Request]:
+        """Running requests in serving order (a read-only view)."""
+        return tuple(self._running)
 
-    def next_waiting(self) -> Request | None:
-        """The request to admit next, left in the queue (FCFS: the oldest)."""
-        return self.waiting[0] if self.waiting else None
+    def now(self) -> float:
+        return self.params.clock()
 
-    def choose_victim(self, candidates: Sequence[Request]) -> Request:
-        """Which running request loses its pages (FCFS: the latest admitted)."""
-        return candidates[-1]
+    def cached_prefix_len(self, request: Request) -> int:
+        return self.kv.cached_prefix_len(request)
 
-    def victim_for(self, waiting: Request, running: Sequence[Request]) -> Request | None:
-        """A running request to preempt so that ``waiting`` can be admitted now, or None.
-
-        Called when ``waiting`` is next in line but the batch is full (``max_num_seqs``) or
-        the KV pool cannot hold it. ``running`` lists the candidates in admission order. The
-        request returned is preempted (recompute, back through :meth:`enqueue`) and admission
-        is retried; None leaves ``waiting`` at the head of the queue (FCFS: always None).
-        """
-        return None
-
-    # -- contract -----------------------------------------------------------------------
+    # -- what core calls -----------------------------------------------------------------
 
     def add(self, request: Request) -> None:
+        """Queue a new request (status WAITING); held back while it is not ready."""
         request.status = RequestStatus.WAITING
         if request.ready:
-            self.enqueue(request, preempted=False)
+            self._enqueue(request, preempted=False)
         else:
             self.gated.append(request)
 
     def abort(self, request_id: str) -> Request | None:
-        for queue in (self.running, self.waiting, self.gated):
-            for request in queue:
-                if request.request_id == request_id:
-                    queue.remove(request)
-                    if queue is self.running:
-                        self.kv.free(request)
-                    self._host_released.extend(self._swapped.pop(request_id, ()))
-                    request.status = RequestStatus.FINISHED_ABORTED
-                    return request
-        return None
+        """Remove a request wherever it is and free its pages; return it (None if unknown)."""
+        request = self._waiting.pop(request_id, None)
+        if request is not None:
+            self.policy.remove(request)
+        else:
+            request = _take(self._running, request_id)
+            if request is not None:
+                self.kv.free(request)
+                self.policy.release(request)
+            else:
+                request = _take(self.gated, request_id)
+                if request is None:
+                    return None
+        if self.swap is not None:
+            self.swap.drop(request_id)
+        request.status = RequestStatus.FINISHED_ABORTED
+        return request
 
     def has_unfinished(self) -> bool:
-        return bool(self.running or self.waiting or self.gated)
+        """True while any request waits or runs."""
+        return bool(self._running or self._waiting or self.gated)
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
-            len(self.running), len(self.waiting) + len(self.gated), self.num_preemptions
+            len(self._running), len(self._waiting) + len(self.gated), self.num_preemptions
         )
 
     def schedule(self) -> SchedulerOutput:
+        """Plan the next step under the token budget (rows in serving order; the persistent
+        batch lays decodes out first)."""
         if self.gated:
             self._open_gates()
-        self._host_free.extend(self._host_released)
-        self._host_released.clear()
-        self._swap_out, self._swap_in = [], []
+        if self.swap is not None:
+            self.swap.begin_step()
         self._admitted_now = set()
+        self.policy.order_running(self._running)
         budget = self.params.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
-        unscheduled = list(self.running)  # victims come from requests not yet given tokens
+        unscheduled = list(self._running)  # victims come from requests not yet given tokens
         while unscheduled and budget > 0:
             request = unscheduled.pop(0)
             num_new = self._num_new_tokens(request, budget)
             if num_new == 0:
                 continue
             while self.kv.allocate(request, num_new) is None:
-                victim = self.choose_victim([request, *unscheduled])  # admission order
+                candidates = [request, *unscheduled]  # serving order
+                victim = self.policy.choose_victim(candidates)
+                _check_victim(self.policy, "choose_victim", victim, candidates)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
@@ -139,27 +162,42 @@ class BatchScheduler(Scheduler):
                 budget -= num_new
         if not preempted:
             budget = self._admit(budget, scheduled, preempted)
-        # Decode rows first: the executor's batch layout needs them ahead of prefill chunks.
-        scheduled.sort(key=lambda s: not _is_decode(s))
+        self.num_steps += 1
+        swap = self.swap
         return SchedulerOutput(
-            tuple(scheduled), tuple(preempted), tuple(self._swap_out), tuple(self._swap_in)
+            tuple(scheduled),
+            tuple(preempted),
+            tuple(swap.planned_out) if swap is not None else (),
+            tuple(swap.planned_in) if swap is not None else (),
         )
 
     def update(self, output: SchedulerOutput, finished: Iterable[Request]) -> None:
+        """Account for a completed step: advance computed counts, drop finished requests.
+
+        Core calls it after appending the step's sampled tokens and marking ``finished``
+        requests FINISHED_*; core frees their pages afterwards.
+        """
         for item in output.scheduled:
             item.request.num_computed_tokens += item.num_new_tokens
         done = set(map(id, finished))
         if done:
-            self.running = [r for r in self.running if id(r) not in done]
+            left = [r for r in self._running if id(r) in done]
+            self._running = [r for r in self._running if id(r) not in done]
+            for request in left:
+                self.policy.release(request)
 
     # -- mechanics ----------------------------------------------------------------------
+
+    def _enqueue(self, request: Request, *, preempted: bool) -> None:
+        self.policy.enqueue(request, preempted=preempted)  # may refuse it: then it is not ours
+        self._waiting[request.request_id] = request
 
     def _open_gates(self) -> None:
         """Queue the gated requests that became ready, in arrival order."""
         still_gated = []
         for request in self.gated:
             if request.ready:
-                self.enqueue(request, preempted=False)
+                self._enqueue(request, preempted=False)
             else:
                 still_gated.append(request)
         self.gated = still_gated
@@ -168,10 +206,15 @@ class BatchScheduler(Scheduler):
         self, budget: int, scheduled: list[ScheduledRequest], preempted: list[Request]
     ) -> int:
         while budget > 0:
-            request = self.next_waiting()
+            request = self.policy.peek()
             if request is None or request in preempted:
                 break
-            if len(self.running) >= self.params.max_num_seqs:
+            if self._waiting.get(request.request_id) is not request:
+                raise RuntimeError(
+                    f"scheduling policy {type(self.policy).__qualname__}.peek() returned "
+                    f"{request.request_id!r}, which is not waiting"
+                )
+            if len(self._running) >= self.params.max_num_seqs:
                 budget, made_room = self._preempt_for(request, budget, scheduled, preempted)
                 if made_room:
                     continue
@@ -185,13 +228,15 @@ class BatchScheduler(Scheduler):
                 if made_room:
                     continue
                 break  # head of line waits for pages; later arrivals do not overtake it
-            self.waiting.remove(request)
+            del self._waiting[request.request_id]
+            self.policy.admit(request)
             self._admitted_now.add(id(request))
-            self._swap_back(request)
+            if self.swap is not None:
+                self.swap.swap_in(request.request_id, self.kv.block_table(request))
             request.num_computed_tokens += allocation.num_cached_tokens
             num_new = min(num_new, request.num_tokens - request.num_computed_tokens)
             request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            self._running.append(request)
             scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
         return budget
@@ -209,10 +254,11 @@ class BatchScheduler(Scheduler):
         """
         # Requests admitted in this step are not candidates: a swapped-in one would be copied
         # out before its swap-in ran.
-        candidates = tuple(r for r in self.running if id(r) not in self._admitted_now)
-        victim = self.victim_for(waiting, candidates)
+        candidates = tuple(r for r in self._running if id(r) not in self._admitted_now)
+        victim = self.policy.victim_for(waiting, candidates)
         if victim is None:
             return budget, False
+        _check_victim(self.policy, "victim_for", victim, candidates)
         for index, item in enumerate(scheduled):
             if item.request is victim:
                 budget += item.num_new_tokens
@@ -229,37 +275,39 @@ class BatchScheduler(Scheduler):
         return min(remaining, budget)
 
     def _preempt(self, request: Request) -> None:
-        """Take the request's pages; it waits at the front with its emitted tokens.
+        """Take the request's pages; it goes back to the policy's queue with its tokens.
 
-        With ``preemption = "swap"`` and room in the host pool its KV is copied there first
-        (it resumes where it stopped); otherwise it recomputes from scratch.
+        With a swap space that has room its KV is copied to host pages first (it resumes
+        where it stopped); otherwise it recomputes from scratch.
         """
-        self.running.remove(request)
-        pages = list(self.kv.block_table(request))
-        swap = self.params.preemption == "swap" and request.num_computed_tokens > 0
-        if swap and len(pages) <= len(self._host_free):
-            host = [self._host_free.pop() for _ in pages]
-            self._swap_out.extend(zip(pages, host, strict=True))
-            self._swapped[request.request_id] = host
-            self.num_swapped_out += 1
-        else:
+        self._running.remove(request)
+        self.policy.release(request)
+        swapped = (
+            self.swap is not None
+            and request.num_computed_tokens > 0
+            and self.swap.swap_out(request.request_id, self.kv.block_table(request))
+        )
+        if not swapped:
             request.num_computed_tokens = 0
         self.kv.free(request)
         request.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
         self.num_preemptions += 1
-        self.enqueue(request, preempted=True)
-
-    def _swap_back(self, request: Request) -> None:
-        """Plan the copy of a swapped request's KV into the pages it was just given."""
-        host = self._swapped.pop(request.request_id, None)
-        if host is None:
-            return
-        # The first pages of the new table cover every computed token (both tables do).
-        self._swap_in.extend(zip(host, self.kv.block_table(request), strict=False))
-        self._host_released.extend(host)
-        self.num_swapped_in += 1
+        self._enqueue(request, preempted=True)
 
 
-def _is_decode(item: ScheduledRequest) -> bool:
-    return item.num_new_tokens == 1 and item.request.num_computed_tokens > 0
+def _take(requests: list[Request], request_id: str) -> Request | None:
+    for index, request in enumerate(requests):
+        if request.request_id == request_id:
+            return requests.pop(index)
+    return None
+
+
+def _check_victim(
+    policy: SchedulingPolicy, hook: str, victim: Request, candidates: Sequence[Request]
+) -> None:
+    if not any(victim is candidate for candidate in candidates):
+        raise RuntimeError(
+            f"scheduling policy {type(policy).__qualname__}.{hook}() chose "
+            f"{getattr(victim, 'request_id', victim)!r}, which is not one of its candidates"
+        )

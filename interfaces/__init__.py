@@ -6,7 +6,7 @@ a plugin package can depend on these contracts cheaply.
 =================  ===================================  ==========================================
 kind               contract                             factory is called as
 =================  ===================================  ==========================================
-``scheduler``      :class:`Scheduler`                   ``factory(params, kv, options)``
+``scheduler``      :class:`SchedulingPolicy`            ``factory(view, options)``
 ``kv``             :class:`KVManager`                   ``factory(pool_params, options)``
 ``executor``       :class:`Executor`                    ``factory(executor_params, options)``
 ``attention``      :class:`AttentionBackend`            ``factory(options)``
@@ -17,8 +17,9 @@ kind               contract                             factory is called as
 =================  ===================================  ==========================================
 
 :data:`API_VERSION` versions these contracts. A plugin may declare the version it was built
-for (``registry.add(..., api_version="1.0")``); Brigade refuses it at load if the MAJOR part
-differs or its MINOR part is newer than Brigade's.
+for (``registry.add(..., api_version="2.0")``); Brigade refuses it at load if the MAJOR part
+differs or its MINOR part is newer than Brigade's. A plugin built for 1.x is refused with a
+pointer to the migration section of docs/plugins.md ("Migrating a 1.x plugin to 2.0").
 """
 
 from brigade.interfaces.attention import AttentionBackend, AttentionLayer, PageSizeRule
@@ -37,6 +38,7 @@ from brigade.interfaces.request import (
     ScheduledRequest,
     SchedulerOutput,
     freeze_extra,
+    is_decode,
 )
 from brigade.interfaces.sampler import (
     LogitsProcessor,
@@ -46,16 +48,16 @@ from brigade.interfaces.sampler import (
     SamplingBatch,
 )
 from brigade.interfaces.sampling import STRUCTURED_OUTPUT_KINDS, SamplingParams, StructuredOutput
-from brigade.interfaces.scheduler import Scheduler, SchedulerParams, SchedulerStats
+from brigade.interfaces.scheduler import SchedulerParams, SchedulerView, SchedulingPolicy
 
-API_VERSION = "1.3"
+API_VERSION = "2.0"
 """The plugin API version, "MAJOR.MINOR". MINOR grows when contracts gain backwards-compatible
-additions (a new optional method, a new field with a default): a plugin built for 1.0 runs on
-1.3, one built for 1.3 is refused by 1.0. MAJOR grows on any change that can break an existing
+additions (a new optional method, a new field with a default): a plugin built for 2.0 runs on
+2.1, one built for 2.1 is refused by 2.0. MAJOR grows on any change that can break an existing
 plugin (a method removed or changed, a factory signature changed)."""
 
 COMPONENT_KINDS: dict[str, type] = {
-    "scheduler": Scheduler,
+    "scheduler": SchedulingPolicy,
     "kv": KVManager,
     "executor": Executor,
     "attention": AttentionBackend,
@@ -67,7 +69,7 @@ COMPONENT_KINDS: dict[str, type] = {
 """Every component kind and the contract its implementations fulfil."""
 
 FACTORY_ARGUMENTS: dict[str, tuple[str, ...]] = {
-    "scheduler": ("params", "kv", "options"),
+    "scheduler": ("view", "options"),
     "kv": ("pool_params", "options"),
     "executor": ("executor_params", "options"),
     "attention": ("options",),
@@ -112,14 +114,15 @@ __all__ = [
     "SamplingBatch",
     "SamplingParams",
     "ScheduledRequest",
-    "Scheduler",
     "SchedulerOutput",
     "SchedulerParams",
-    "SchedulerStats",
+    "SchedulerView",
+    "SchedulingPolicy",
     "SplitCausalLM",
     "StructuredOutput",
     "TextDelta",
     "freeze_extra",
     "hookimpl",
+    "is_decode",
     "option",
 ]

@@ -104,6 +104,16 @@ class KVManager(abc.ABC):
         never change until :meth:`free` (core copies only the new tail each step).
         """
 
+    def cached_prefix_len(self, request: Request) -> int:
+        """Tokens of ``request`` a first :meth:`allocate` would find in the prefix cache now.
+
+        A read-only peek for scheduling policies (e.g. longest prefix first): no page is
+        locked, no statistic changes, and the answer may differ by the time the request is
+        admitted. Same cap as :meth:`allocate` (at most ``request.num_tokens - 1``). Default:
+        0 (a manager without a prefix cache; API 2.0).
+        """
+        return 0
+
     @abc.abstractmethod
     def num_free_pages(self) -> int:
         """Pages an allocation could use now (evictable cached pages count as free)."""

@@ -19,6 +19,7 @@ __all__ = [
     "ScheduledRequest",
     "SchedulerOutput",
     "freeze_extra",
+    "is_decode",
 ]
 
 ExtraValue: TypeAlias = (
@@ -175,14 +176,25 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int
 
+    @property
+    def is_decode(self) -> bool:
+        """A decode row (see :func:`is_decode`)."""
+        return is_decode(self.num_new_tokens, self.request.num_computed_tokens)
+
+
+def is_decode(num_new_tokens: int, num_computed_tokens: int) -> bool:
+    """Whether a row is a decode: exactly one new token after a cached context. The
+    executor's batch has every decode row before every prefill chunk (``ModelInput``)."""
+    return num_new_tokens == 1 and num_computed_tokens > 0
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SchedulerOutput:
     """The plan for one engine step.
 
-    ``scheduled`` lists decodes (one new token each) before prefill chunks, so the executor's
-    batch has its decode rows first. ``preempted`` lists requests that lost their pages in this
-    plan; core releases their rows in the persistent batch.
+    ``scheduled`` lists the requests in serving order (the persistent batch lays the
+    executor's rows out decodes first). ``preempted`` lists requests that lost their pages in
+    this plan; core releases their rows in the persistent batch.
     """
 
     scheduled: tuple[ScheduledRequest, ...]

@@ -147,6 +147,18 @@ class PagedKVManager(KVManager):
         state = self._running.get(request.request_id)
         return state.page_ids if state is not None else ()
 
+    def cached_prefix_len(self, request: Request) -> int:
+        """Full cached pages at the head of the request's tokens (digests kept for admission)."""
+        if not self._caching or request.num_computed_tokens:
+            return 0
+        if request.request_id in self._running:
+            return request.num_cached_tokens
+        state = self._remembered.get(request.request_id)
+        if state is None or state.request is not request:
+            state = _RequestState(request)
+            self._remember(state)  # admission reuses the digests hashed here
+        return len(self._match(state)) * self._page_size
+
     def num_free_pages(self) -> int:
         """Pages in the free queue, cached ones included (O(1))."""
         return len(self._free)

@@ -201,6 +201,14 @@ class RadixKVManager(KVManager):
         state = self._running.get(request.request_id)
         return state.page_ids if state is not None else ()
 
+    def cached_prefix_len(self, request: Request) -> int:
+        """The longest cached prefix of the request's tokens (a walk down the tree)."""
+        if not self._caching or request.num_computed_tokens:
+            return 0
+        if request.request_id in self._running:
+            return request.num_cached_tokens
+        return sum(matched for _, matched in self._match(request))
+
     def num_free_pages(self) -> int:
         """Pages with no content plus pages of unlocked (evictable) nodes, in O(1)."""
         return len(self._free) + self._num_evictable
