@@ -19,15 +19,17 @@ from brigade.plugins.models.architectures import ARCHITECTURES
 from brigade.plugins.samplers.ban_words import BanWordsOptions, BanWordsProcessor
 from brigade.plugins.samplers.standard import StandardSampler, StandardSamplerOptions
 from brigade.plugins.samplers.xgrammar_sampler import XGrammarSampler, XGrammarSamplerOptions
-from brigade.plugins.schedulers.fcfs import FcfsOptions, FcfsScheduler
-from brigade.plugins.schedulers.priority import PriorityOptions, PriorityScheduler
+from brigade.plugins.schedulers.cache_aware import LongestPrefixOptions, LongestPrefixPolicy
+from brigade.plugins.schedulers.fcfs import FcfsOptions, FcfsPolicy
+from brigade.plugins.schedulers.priority import PriorityOptions, PriorityPolicy
 
 
 @hookimpl
 def brigade_register(registry: ComponentRegistry) -> None:
     """Add every built-in component."""
-    registry.add("scheduler", "fcfs", FcfsScheduler, options=FcfsOptions)
-    registry.add("scheduler", "priority", PriorityScheduler, options=PriorityOptions)
+    registry.add("scheduler", "fcfs", FcfsPolicy, options=FcfsOptions)
+    registry.add("scheduler", "priority", PriorityPolicy, options=PriorityOptions)
+    registry.add("scheduler", "lpm", LongestPrefixPolicy, options=LongestPrefixOptions)
     registry.add("kv", "paged", PagedKVManager, options=PagedKVOptions)
     registry.add("kv", "radix", RadixKVManager, options=RadixKVOptions)
     registry.add("executor", "torch", TorchExecutor, options=TorchExecutorOptions)

@@ -1,13 +1,13 @@
-"""First come, first served: the base mechanics with their default ordering."""
+"""First come, first served: admit in arrival order, preempt the latest admitted."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
-from brigade.interfaces import KVManager, SchedulerParams
-from brigade.scheduling import BatchScheduler
+from brigade.interfaces import Request, SchedulerView, SchedulingPolicy
 
-__all__ = ["FcfsOptions", "FcfsScheduler"]
+__all__ = ["FcfsOptions", "FcfsPolicy"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -15,9 +15,34 @@ class FcfsOptions:
     """FCFS takes no options of its own (limits live in the ``[scheduler]`` table)."""
 
 
-class FcfsScheduler(BatchScheduler):
-    """Admits in arrival order; preempts the latest-admitted request when pages run out."""
+class FcfsPolicy(SchedulingPolicy):
+    """A deque: new requests at the back, preempted ones back at the front.
 
-    def __init__(self, params: SchedulerParams, kv: KVManager, options: FcfsOptions) -> None:
-        super().__init__(params, kv)
-        self.options = options
+    Victims are the defaults of :class:`SchedulingPolicy`: the latest admitted loses its pages
+    when a runner cannot grow, and nobody is preempted for a waiting request.
+    """
+
+    def __init__(self, view: SchedulerView, options: FcfsOptions) -> None:
+        super().__init__(view, options)
+        self.queue: collections.deque[Request] = collections.deque()
+
+    def enqueue(self, request: Request, *, preempted: bool) -> None:
+        if preempted:
+            self.queue.appendleft(request)
+        else:
+            self.queue.append(request)
+
+    def peek(self) -> Request | None:
+        return self.queue[0] if self.queue else None
+
+    def admit(self, request: Request) -> None:
+        if self.queue and self.queue[0] is request:
+            self.queue.popleft()
+        else:
+            self.queue.remove(request)
+
+    def remove(self, request: Request) -> None:
+        self.queue.remove(request)
+
+    def __len__(self) -> int:
+        return len(self.queue)

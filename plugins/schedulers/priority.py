@@ -20,12 +20,11 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
-from brigade.interfaces import KVManager, Request, SchedulerOutput, SchedulerParams, option
-from brigade.scheduling import BatchScheduler
+from brigade.interfaces import Request, SchedulerView, SchedulingPolicy, option
 
-__all__ = ["PriorityOptions", "PriorityScheduler", "WaitingHeap"]
+__all__ = ["PriorityOptions", "PriorityPolicy", "WaitingHeap"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,11 +40,7 @@ class PriorityOptions:
 
 
 class WaitingHeap:
-    """The waiting queue as a binary heap of ``(key, arrival_time, seq, request)``.
-
-    Offers what :class:`~brigade.scheduling.BatchScheduler` uses of its waiting queue:
-    iteration (in heap order, not sorted), ``len`` and ``remove``.
-    """
+    """The waiting queue as a binary heap of ``(key, arrival_time, seq, request)``."""
 
     def __init__(self) -> None:
         self._entries: list[tuple[int, float, int, Request]] = []
@@ -79,7 +74,7 @@ class WaitingHeap:
         return len(self._entries)
 
 
-class PriorityScheduler(BatchScheduler):
+class PriorityPolicy(SchedulingPolicy):
     """Admits and serves by priority; preempts the lowest-priority runner for a better waiter.
 
     When the next waiting request cannot be admitted (``max_num_seqs`` running or the KV pool
@@ -89,17 +84,15 @@ class PriorityScheduler(BatchScheduler):
     re-queue with their own priority, ahead of equal-priority later arrivals.
     """
 
-    def __init__(self, params: SchedulerParams, kv: KVManager, options: PriorityOptions) -> None:
-        super().__init__(params, kv)
-        self.options = options
-        # The base class uses only iteration, len() and remove() of its waiting queue.
-        self.waiting: WaitingHeap = WaitingHeap()  # type: ignore[assignment]
-        self._num_steps = 0
+    def __init__(self, view: SchedulerView, options: PriorityOptions) -> None:
+        super().__init__(view, options)
+        self.options: PriorityOptions = options
+        self.queue = WaitingHeap()
         self._keys: dict[Request, int] = {}  # waiting request -> heap key
         self._ranks: dict[Request, int] = {}  # running request -> effective priority at admission
         self._resort = False  # admissions since the running list was last put in rank order
 
-    # -- policy hooks -------------------------------------------------------------------
+    # -- the waiting queue --------------------------------------------------------------
 
     def enqueue(self, request: Request, *, preempted: bool) -> None:
         """Queue by (priority + aging tick, arrival time), preempted or not.
@@ -109,11 +102,36 @@ class PriorityScheduler(BatchScheduler):
         """
         key = request.priority + self._tick()
         self._keys[request] = key
-        self.waiting.push(key, request)
+        self.queue.push(key, request)
 
-    def next_waiting(self) -> Request | None:
+    def peek(self) -> Request | None:
         """The waiting request with the best effective priority, earliest arrival on ties."""
-        return self.waiting.peek()
+        return self.queue.peek()
+
+    def admit(self, request: Request) -> None:
+        """Freeze the request's rank: the effective priority it is admitted with."""
+        self._ranks[request] = self._keys[request] - self._tick()
+        self.remove(request)
+        self._resort = True
+
+    def remove(self, request: Request) -> None:
+        self.queue.remove(request)
+        del self._keys[request]
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+    # -- the running requests ------------------------------------------------------------
+
+    def release(self, request: Request) -> None:
+        self._ranks.pop(request, None)
+
+    def order_running(self, running: list[Request]) -> None:
+        """Serve (and spend the token budget on) better-ranked requests first; the list is
+        nearly sorted after a few admissions, so this is linear."""
+        if self._resort:
+            running.sort(key=self._victim_order)
+            self._resort = False
 
     def choose_victim(self, candidates: Sequence[Request]) -> Request:
         """The candidate with the largest rank, the latest arrival (then admission) on ties."""
@@ -124,58 +142,14 @@ class PriorityScheduler(BatchScheduler):
         if not running:
             return None
         victim = max(reversed(running), key=self._victim_order)
-        return victim if self._rank(victim) > waiting.priority else None
-
-    # -- contract -----------------------------------------------------------------------
-
-    def schedule(self) -> SchedulerOutput:
-        if self._resort:
-            # Serve (and spend the token budget on) better-ranked requests first; the list is
-            # nearly sorted, so this is linear.
-            self.running.sort(key=self._serving_order)
-            self._resort = False
-        output = super().schedule()
-        for item in output.scheduled:
-            request = item.request
-            if request not in self._ranks:  # admitted in this step: freeze its rank
-                self._ranks[request] = self._effective_priority(request)
-                del self._keys[request]
-                self._resort = True
-        for request in output.preempted:
-            self._ranks.pop(request, None)
-        self._num_steps += 1
-        return output
-
-    def update(self, output: SchedulerOutput, finished: Iterable[Request]) -> None:
-        done = list(finished)
-        super().update(output, done)
-        for request in done:
-            self._ranks.pop(request, None)
-
-    def abort(self, request_id: str) -> Request | None:
-        request = super().abort(request_id)
-        if request is not None:
-            self._ranks.pop(request, None)
-            self._keys.pop(request, None)
-        return request
+        return victim if self._ranks[victim] > waiting.priority else None
 
     # -- ordering -----------------------------------------------------------------------
 
     def _tick(self) -> int:
         """Aging ticks so far: the clock every waiting request's priority improves by."""
         aging = self.options.aging_steps
-        return self._num_steps // aging if aging else 0
-
-    def _effective_priority(self, waiting: Request) -> int:
-        return self._keys[waiting] - self._tick()
-
-    def _rank(self, running: Request) -> int:
-        rank = self._ranks.get(running)
-        # Not frozen yet: admitted during the current schedule(), still keyed as waiting.
-        return self._effective_priority(running) if rank is None else rank
+        return self.view.num_steps // aging if aging else 0
 
     def _victim_order(self, request: Request) -> tuple[int, float]:
-        return self._rank(request), request.arrival_time
-
-    def _serving_order(self, request: Request) -> tuple[int, float]:
-        return self._ranks.get(request, request.priority), request.arrival_time
+        return self._ranks[request], request.arrival_time
