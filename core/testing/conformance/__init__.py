@@ -19,11 +19,18 @@ from brigade.testing.conformance.models import (
     check_model_architecture,
 )
 from brigade.testing.conformance.sampler import check_sampler, make_sampling_batch
-from brigade.testing.conformance.scheduler import check_scheduler, simulate
+from brigade.testing.conformance.scheduler import (
+    PolicyReport,
+    build_scheduler,
+    check_scheduler,
+    simulate,
+)
 
 __all__ = [
     "ATTENTION_CASES",
     "DETOKENIZER_TEXTS",
+    "PolicyReport",
+    "build_scheduler",
     "check_attention_backend",
     "check_detokenizer",
     "check_executor",

@@ -126,9 +126,21 @@ class _Suite:
     def probe(self, kv: KVManager, prompt: list[int], matching: int, what: str) -> None:
         """Admit a request with ``prompt``, check its hit against ``matching``, free it."""
         probe = make_request("probe", prompt)
+        before = _snapshot(kv, [probe])
+        peeked = kv.cached_prefix_len(probe)
+        assert _snapshot(kv, [probe]) == before, (
+            f"{self.label}: cached_prefix_len changed the pool, the stats or the request ({what})"
+        )
         allocation = kv.allocate(probe, probe.num_tokens)
         assert allocation is not None, f"{self.label}: no room for a probe of {what}"
         self.check_hit(probe, allocation.num_cached_tokens, matching, what)
+        if type(kv).cached_prefix_len is KVManager.cached_prefix_len:
+            assert peeked == 0, f"{self.label}: the default cached_prefix_len is 0"
+        else:
+            assert peeked == allocation.num_cached_tokens, (
+                f"{self.label}: {what}: cached_prefix_len said {peeked} tokens, admission "
+                f"found {allocation.num_cached_tokens}"
+            )
         kv.free(probe)
 
     def check_fresh_pool(self) -> None:

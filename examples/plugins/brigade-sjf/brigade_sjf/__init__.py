@@ -1,5 +1,5 @@
 """Shortest-job-first scheduling for Brigade, shipped as an out-of-tree plugin."""
 
-from brigade_sjf.scheduler import SjfOptions, SjfScheduler
+from brigade_sjf.scheduler import SjfOptions, SjfPolicy
 
-__all__ = ["SjfOptions", "SjfScheduler"]
+__all__ = ["SjfOptions", "SjfPolicy"]

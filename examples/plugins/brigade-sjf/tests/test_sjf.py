@@ -4,26 +4,27 @@ from __future__ import annotations
 
 from brigade.interfaces import KVPoolParams, SchedulerParams
 from brigade.plugins.kv.paged import PagedKVManager, PagedKVOptions
-from brigade.testing.conformance import check_scheduler, simulate
+from brigade.testing.conformance import build_scheduler, check_scheduler, simulate
 from brigade.testing.requests import make_request
 
-from brigade_sjf import SjfOptions, SjfScheduler
+from brigade_sjf import SjfOptions, SjfPolicy
 
 
-def test_sjf_conforms() -> None:
-    check_scheduler(SjfScheduler, SjfOptions(), PagedKVManager, PagedKVOptions())
+def test_sjf_conforms_and_never_preempts_for_a_waiting_request() -> None:
+    report = check_scheduler(SjfPolicy, SjfOptions(), PagedKVManager, PagedKVOptions())
+    assert report.num_preempted_for_waiting == 0
 
 
 def test_pure_sjf_conforms() -> None:
     options = SjfOptions(aging_tokens_per_second=0.0)
-    check_scheduler(SjfScheduler, options, PagedKVManager, PagedKVOptions())
+    check_scheduler(SjfPolicy, options, PagedKVManager, PagedKVOptions())
 
 
 def first_scheduled_order(options: SjfOptions, jobs: dict[str, tuple[int, float]]) -> list[str]:
     """Run ``name -> (max_tokens, arrival_time)`` one at a time; the order they started in."""
     kv = PagedKVManager(KVPoolParams(num_pages=64, page_size=4), PagedKVOptions())
     params = SchedulerParams(max_num_seqs=1, max_num_batched_tokens=32, max_model_len=128)
-    scheduler = SjfScheduler(params, kv, options)
+    scheduler = build_scheduler(SjfPolicy, options, params, kv)
     requests = [
         make_request(name, [1, 2, 3], max_tokens=max_tokens, arrival_time=arrival)
         for name, (max_tokens, arrival) in jobs.items()
