@@ -39,7 +39,7 @@ def run(path: str, mode: str, prompts: list[list[int]], output_len: int, pages: 
         "tok/s": tokens / elapsed,
         "seconds": elapsed,
         "preemptions": scheduler.stats().num_preemptions,
-        "swapped": getattr(scheduler, "num_swapped_out", 0),
+        "swapped": scheduler.swap.num_swapped_out if scheduler.swap is not None else 0,
     }
 
 

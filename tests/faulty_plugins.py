@@ -30,15 +30,13 @@ from typing import Any
 import torch
 
 from brigade.interfaces import (
-    KVManager,
     LogitsProcessor,
     Request,
     SampleOutput,
     SamplerParams,
     SamplingBatch,
     SamplingParams,
-    SchedulerOutput,
-    SchedulerParams,
+    SchedulerView,
     hookimpl,
     option,
 )
@@ -49,7 +47,7 @@ from brigade.plugins.samplers.processors import (
 )
 from brigade.plugins.samplers.standard import StandardSampler, StandardSamplerOptions
 from brigade.plugins.samplers.xgrammar_sampler import XGrammarSampler, XGrammarSamplerOptions
-from brigade.scheduling import BatchScheduler
+from brigade.plugins.schedulers.fcfs import FcfsOptions, FcfsPolicy
 
 POISON = {"add": 21, "begin_step": 22, "apply": 23, "accept": 24, "nan_logits": 25}
 """Priority of a request the faulty processor fails for, by where it fails."""
@@ -130,28 +128,26 @@ class FaultySchedulerOptions:
     fail_schedule_times: int = option(1000, help="at most this many times", ge=0)
 
 
-class FaultyScheduler(BatchScheduler):
-    def __init__(
-        self, params: SchedulerParams, kv: KVManager, options: FaultySchedulerOptions
-    ) -> None:
-        super().__init__(params, kv)
-        self.options = options
+class FaultyPolicy(FcfsPolicy):
+    """FCFS that refuses to queue one priority and breaks the step while another is queued."""
+
+    def __init__(self, view: SchedulerView, options: FaultySchedulerOptions) -> None:
+        super().__init__(view, FcfsOptions())
+        self.faults = options
         self.num_failures = 0
 
-    def add(self, request: Request) -> None:
-        if request.priority == self.options.fail_add_priority:
+    def enqueue(self, request: Request, *, preempted: bool) -> None:
+        if request.priority == self.faults.fail_add_priority:
             raise RuntimeError("this scheduler refuses the request")
-        super().add(request)
+        super().enqueue(request, preempted=preempted)
 
-    def schedule(self) -> SchedulerOutput:
-        wanted = self.options.fail_schedule_priority
-        queued = [*self.running, *self.waiting]
-        if self.num_failures < self.options.fail_schedule_times and any(
-            request.priority == wanted for request in queued
+    def order_running(self, running: list[Request]) -> None:
+        wanted = self.faults.fail_schedule_priority
+        if self.num_failures < self.faults.fail_schedule_times and any(
+            request.priority == wanted for request in (*running, *self.queue)
         ):
             self.num_failures += 1
             raise RuntimeError("the scheduler broke")
-        return super().schedule()
 
 
 BATCH_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed")
@@ -265,7 +261,7 @@ class GrammarFirstSampler(XGrammarSampler):
 def brigade_register(registry: Any) -> None:
     registry.add("sampler", "faulty", FaultySampler, options=FaultySamplerOptions)
     registry.add("logits_processor", "faulty", faulty_processor, options=FaultySamplerOptions)
-    registry.add("scheduler", "faulty", FaultyScheduler, options=FaultySchedulerOptions)
+    registry.add("scheduler", "faulty", FaultyPolicy, options=FaultySchedulerOptions)
 
 
 @hookimpl

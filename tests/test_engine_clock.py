@@ -19,19 +19,18 @@ from brigade.config import load_config
 from brigade.engine import EngineCore
 from brigade.errors import ConfigError
 from brigade.interfaces import (
-    KVManager,
     KVPoolParams,
     NoOptions,
     Request,
     SamplingParams,
-    SchedulerOutput,
     SchedulerParams,
+    SchedulerView,
 )
 from brigade.models.create import create_model
 from brigade.plugins.kv.paged import PagedKVManager, PagedKVOptions
-from brigade.plugins.schedulers.fcfs import FcfsOptions, FcfsScheduler
+from brigade.plugins.schedulers.fcfs import FcfsOptions, FcfsPolicy
 from brigade.registry import Registry, load_registry
-from brigade.testing.conformance import check_scheduler
+from brigade.testing.conformance import build_scheduler, check_scheduler
 from brigade.testing.requests import make_request
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,25 +43,23 @@ def model_70b(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
-class RecordingScheduler(FcfsScheduler):
+class RecordingPolicy(FcfsPolicy):
     """FCFS that keeps every request it was given and, when it admits one, how long the
-    request had waited by the engine clock (``self.params.clock()``)."""
+    request had waited by the engine clock (``view.now()``)."""
 
-    def __init__(self, params: SchedulerParams, kv: KVManager, options: FcfsOptions) -> None:
-        super().__init__(params, kv, options)
+    def __init__(self, view: SchedulerView, options: FcfsOptions) -> None:
+        super().__init__(view, options)
         self.added: list[Request] = []
         self.waits: dict[str, float] = {}
 
-    def add(self, request: Request) -> None:
-        self.added.append(request)
-        super().add(request)
+    def enqueue(self, request: Request, *, preempted: bool) -> None:
+        if not preempted:
+            self.added.append(request)
+        super().enqueue(request, preempted=preempted)
 
-    def schedule(self) -> SchedulerOutput:
-        output = super().schedule()
-        now = self.params.clock()
-        for item in output.scheduled:
-            self.waits.setdefault(item.request.request_id, now - item.request.arrival_time)
-        return output
+    def admit(self, request: Request) -> None:
+        self.waits.setdefault(request.request_id, self.view.now() - request.arrival_time)
+        super().admit(request)
 
 
 def registry_with(name: str, factory: Any, options: Any = None) -> Registry:
@@ -95,7 +92,7 @@ def test_requests_ten_seconds_apart_arrive_ten_simulated_seconds_apart(
     workload = [
         WorkloadRequest(10.0 * index, tuple(range(10, 74)), output_len=8) for index in range(20)
     ]
-    registry = registry_with("recording", RecordingScheduler, FcfsOptions)
+    registry = registry_with("recording", RecordingPolicy, FcfsOptions)
     built = engines_built(monkeypatch)
     started = time.perf_counter()
     result = run_simulation(
@@ -103,8 +100,8 @@ def test_requests_ten_seconds_apart_arrive_ten_simulated_seconds_apart(
     )
     assert time.perf_counter() - started < 60  # virtual time: 190 s simulated in far less
     (engine,) = built
-    scheduler = engine.scheduler
-    assert isinstance(scheduler, RecordingScheduler)
+    scheduler = engine.scheduler.policy
+    assert isinstance(scheduler, RecordingPolicy)
     arrivals = [request.arrival_time for request in scheduler.added]
     gaps = [later - earlier for earlier, later in itertools.pairwise(arrivals)]
     assert gaps == pytest.approx([10.0] * 19, abs=0.05)
@@ -124,7 +121,7 @@ def test_a_policy_reads_waiting_time_in_simulated_seconds(
     # One sequence at a time: each request waits for all those before it, ~8 decode steps
     # of ~20 ms each, so the k-th request's wait grows by a fixed virtual amount.
     workload = synthetic(6, Lengths("fixed", 32), Lengths("fixed", 8))  # all at t = 0
-    registry = registry_with("recording", RecordingScheduler, FcfsOptions)
+    registry = registry_with("recording", RecordingPolicy, FcfsOptions)
     built = engines_built(monkeypatch)
     result = run_simulation(
         settings(model_70b, 'scheduler.plugin="recording"', "scheduler.max_num_seqs=1"),
@@ -132,8 +129,8 @@ def test_a_policy_reads_waiting_time_in_simulated_seconds(
         registry=registry,
     )
     (engine,) = built
-    scheduler = engine.scheduler
-    assert isinstance(scheduler, RecordingScheduler)
+    scheduler = engine.scheduler.policy
+    assert isinstance(scheduler, RecordingPolicy)
     waits = [scheduler.waits[str(index)] for index in range(6)]
     assert waits[0] == 0.0
     # What the policy saw is what the simulation measured: the wait ends with the request's
@@ -148,39 +145,36 @@ def test_a_policy_reads_waiting_time_in_simulated_seconds(
     )
 
 
-def deadline_scheduler_from_the_docs() -> type:
-    """The ``DeadlineScheduler`` listing of docs/plugins.md, executed as written."""
+def deadline_policy_from_the_docs() -> type:
+    """The ``DeadlinePolicy`` listing of docs/plugins.md, executed as written."""
     guide = (ROOT / "docs" / "plugins.md").read_text(encoding="utf-8")
     match = re.search(r"<!-- deadline-policy -->\n```python\n(.*?)\n```\n", guide, re.DOTALL)
     assert match is not None, "docs/plugins.md lost its deadline-policy listing"
     namespace: dict[str, Any] = {}
     exec(compile(match[1], "docs/plugins.md", "exec"), namespace)
-    scheduler: type = namespace["DeadlineScheduler"]
-    return scheduler
+    policy: type = namespace["DeadlinePolicy"]
+    return policy
 
 
 def test_the_deadline_policy_in_the_docs_conforms() -> None:
-    check_scheduler(
-        deadline_scheduler_from_the_docs(), NoOptions(), PagedKVManager, PagedKVOptions()
-    )
+    check_scheduler(deadline_policy_from_the_docs(), NoOptions(), PagedKVManager, PagedKVOptions())
 
 
 def test_the_deadline_policy_orders_by_extra_and_reads_the_engine_clock() -> None:
-    deadline_scheduler = deadline_scheduler_from_the_docs()
     now = [0.0]
     params = SchedulerParams(8, 64, max_model_len=128, clock=lambda: now[0])
     kv = PagedKVManager(KVPoolParams(64, 4, True), PagedKVOptions())
-    scheduler = deadline_scheduler(params, kv, NoOptions())
+    scheduler = build_scheduler(deadline_policy_from_the_docs(), NoOptions(), params, kv)
     none = make_request("none", [7, 8, 9], arrival_time=0.0)
     relaxed = make_request("relaxed", [4, 5, 6], arrival_time=0.5, extra={"deadline_s": 5.0})
     urgent = make_request("urgent", [1, 2, 3], arrival_time=1.0, extra={"deadline_s": 1.0})
     for request in (none, relaxed, urgent):
         scheduler.add(request)
-    assert scheduler.next_waiting() is urgent  # due at 2.0, before relaxed's 5.5
+    assert scheduler.policy.peek() is urgent  # due at 2.0, before relaxed's 5.5
     now[0] = 3.0  # urgent can no longer make it: relaxed goes first
-    assert scheduler.next_waiting() is relaxed
+    assert scheduler.policy.peek() is relaxed
     now[0] = 9.0  # both late: earliest due first; no deadline comes last
-    assert scheduler.next_waiting() is urgent
+    assert scheduler.policy.peek() is urgent
     plan = scheduler.schedule()
     assert [item.request.request_id for item in plan.scheduled] == ["urgent", "relaxed", "none"]
 
@@ -198,7 +192,7 @@ def test_a_time_based_policy_behaves_by_simulated_time(model_70b: Path) -> None:
         WorkloadRequest(1.0, prompt, output_len=4, extra={"deadline_s": 5.0}),
         WorkloadRequest(2.0, prompt, output_len=4, extra={"deadline_s": 60.0}),
     ]
-    registry = registry_with("deadline", deadline_scheduler_from_the_docs())
+    registry = registry_with("deadline", deadline_policy_from_the_docs())
     result = run_simulation(
         settings(model_70b, 'scheduler.plugin="deadline"', "scheduler.max_num_seqs=1"),
         workload,

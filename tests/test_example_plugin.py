@@ -68,7 +68,7 @@ def test_selected_by_name_it_generates_for_a_batch(tmp_path: Path) -> None:
             "kv.num_pages=24",  # small enough that the batch preempts
         ]
     )
-    assert type(llm.engine.scheduler).__name__ == "SjfScheduler"
+    assert type(llm.engine.scheduler.policy).__name__ == "SjfPolicy"
     lengths = [12, 3, 7, 1, 9, 5]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
     prompts = [[(7 * i + j) % 200 + 3 for j in range(10 + i)] for i in range(len(lengths))]

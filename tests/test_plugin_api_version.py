@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -73,3 +74,17 @@ def test_malformed_version_is_a_registration_error(version: str) -> None:
 
 def test_builtins_load_under_the_current_version() -> None:
     assert "fcfs" in load_registry().names("scheduler")
+
+
+def test_a_1x_plugin_is_refused_with_a_pointer_to_the_migration_guide(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert MAJOR >= 2
+    install_fake_plugin(monkeypatch, "brigade-versioned", register_for("1.3"))
+    with pytest.raises(IncompatiblePluginError) as excinfo:
+        load_registry()
+    message = str(excinfo.value)
+    assert "needs Brigade plugin API 1.3" in message
+    assert 'docs/plugins.md, "Migrating a 1.x plugin to 2.0"' in message
+    guide = (Path(__file__).parents[1] / "docs" / "plugins.md").read_text(encoding="utf-8")
+    assert "\n## Migrating a 1.x plugin to 2.0\n" in guide

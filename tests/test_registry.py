@@ -10,7 +10,7 @@ from plugin_fakes import install_fake_plugin
 
 from brigade.cli import main
 from brigade.errors import DuplicateComponentError, UnknownComponentError
-from brigade.interfaces import NoOptions, Scheduler, option
+from brigade.interfaces import NoOptions, SchedulingPolicy, option
 from brigade.registry import Registry, load_registry
 
 
@@ -121,17 +121,16 @@ def test_plugins_command_lists_kind_name_distribution_and_defaults(
     assert executor["options"]["device"] == "auto"
 
 
-class _HalfScheduler(Scheduler):
-    """A Scheduler that forgot most of its methods."""
+class _HalfPolicy(SchedulingPolicy):
+    """A SchedulingPolicy that forgot most of its methods."""
 
-    def __init__(self, params: object, kv: object, options: object) -> None:
-        pass
-
-    def add(self, request: object) -> None:
+    def enqueue(self, request: object, *, preempted: bool) -> None:
         pass
 
 
-class _NotAScheduler:
+class _OneXScheduler:
+    """A 1.x scheduler: it planned whole steps itself (factory(params, kv, options))."""
+
     def __init__(self, params: object, kv: object, options: object) -> None:
         pass
 
@@ -139,27 +138,27 @@ class _NotAScheduler:
         pass
 
 
-def _two_arguments(params: object, options: object) -> object:
-    return params
+def _one_argument(view: object) -> object:
+    return view
 
 
 @pytest.mark.parametrize(
     ("factory", "match"),
     [
         (
-            _NotAScheduler,
-            r"does not implement the Scheduler contract: subclass "
-            r"brigade.interfaces.Scheduler and define abort, add, has_unfinished, stats, update",
+            _OneXScheduler,
+            r"does not implement the SchedulingPolicy contract: subclass "
+            r"brigade.interfaces.SchedulingPolicy and define __len__, enqueue, peek, remove "
+            r"\(written for API 1.x\? see docs/plugins.md, \"Migrating a 1.x plugin to 2.0\"\)",
         ),
         (
-            _HalfScheduler,
-            r"leaves Scheduler methods unimplemented: abort, has_unfinished, "
-            r"schedule, stats, update",
+            _HalfPolicy,
+            r"leaves SchedulingPolicy methods unimplemented: __len__, peek, remove",
         ),
         (
-            _two_arguments,
-            r"core calls the factory as factory\(params, kv, options\), but "
-            r"'_two_arguments' takes \(params, options\)",
+            _one_argument,
+            r"core calls the factory as factory\(view, options\), but "
+            r"'_one_argument' takes \(view\)",
         ),
     ],
 )

@@ -23,15 +23,14 @@ from brigade.engine import EngineCore
 from brigade.errors import RequestError
 from brigade.interfaces import (
     EMPTY_EXTRA,
-    KVManager,
     LogitsProcessor,
     Request,
     SamplerParams,
-    SchedulerParams,
+    SchedulerView,
     freeze_extra,
 )
 from brigade.plugins.samplers.standard import StandardSampler, StandardSamplerOptions
-from brigade.plugins.schedulers.fcfs import FcfsOptions, FcfsScheduler
+from brigade.plugins.schedulers.fcfs import FcfsOptions, FcfsPolicy
 from brigade.registry import Registry, load_registry
 from brigade.server.protocol import ChatCompletionRequest, CompletionRequest, decode_json
 
@@ -85,18 +84,18 @@ def test_extra_nested_past_the_limit_is_refused() -> None:
 # -- the engine and LLM -----------------------------------------------------------------------
 
 
-class RecordingScheduler(FcfsScheduler):
+class RecordingPolicy(FcfsPolicy):
     """FCFS that keeps the ``extra`` of every request it is given."""
 
     seen: dict[str, Any]
 
-    def __init__(self, params: SchedulerParams, kv: KVManager, options: FcfsOptions) -> None:
-        super().__init__(params, kv, options)
+    def __init__(self, view: SchedulerView, options: FcfsOptions) -> None:
+        super().__init__(view, options)
         self.seen = {}
 
-    def add(self, request: Request) -> None:
+    def enqueue(self, request: Request, *, preempted: bool) -> None:
         self.seen[request.request_id] = request.extra
-        super().add(request)
+        super().enqueue(request, preempted=preempted)
 
 
 class BanFromExtra(LogitsProcessor):
@@ -136,7 +135,7 @@ class BanningSampler(StandardSampler):
 
 def extra_registry() -> Registry:
     registry = load_registry()
-    registry.add("scheduler", "recording", RecordingScheduler, options=FcfsOptions)
+    registry.add("scheduler", "recording", RecordingPolicy, options=FcfsOptions)
     registry.add("sampler", "banning", BanningSampler, options=StandardSamplerOptions)
     return registry
 
@@ -159,8 +158,8 @@ def llm(model_dir: Path) -> LLM:
 
 
 def seen(llm: LLM) -> dict[str, Any]:
-    scheduler = llm.engine.scheduler
-    assert isinstance(scheduler, RecordingScheduler)
+    scheduler = llm.engine.scheduler.policy
+    assert isinstance(scheduler, RecordingPolicy)
     return scheduler.seen
 
 
@@ -278,7 +277,7 @@ def app(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[t
     configure_logging(stream=io.StringIO())
     try:
         with TestClient(create_app(state)) as client:
-            yield client, state.async_engine.engine.scheduler
+            yield client, state.async_engine.engine.scheduler.policy
     finally:
         state.async_engine.shutdown()
         structlog.configure(**saved)

@@ -1,11 +1,12 @@
-"""The FCFS scheduler on the shared mechanics, driven without a model."""
+"""Core's scheduler with the FCFS policy, driven without a model."""
 
 from __future__ import annotations
 
 from brigade.interfaces import KVPoolParams, RequestStatus, SchedulerParams
 from brigade.plugins.kv.paged import PagedKVManager, PagedKVOptions
-from brigade.plugins.schedulers.fcfs import FcfsOptions, FcfsScheduler
-from brigade.testing.conformance import check_scheduler, simulate
+from brigade.plugins.schedulers.fcfs import FcfsOptions, FcfsPolicy
+from brigade.scheduling import BatchScheduler
+from brigade.testing.conformance import build_scheduler, check_scheduler, simulate
 from brigade.testing.requests import make_request, make_requests
 
 PAGE = 4
@@ -14,11 +15,13 @@ PAGE = 4
 def make(num_pages: int = 100, *, max_seqs: int = 8, budget: int = 32, chunked: bool = True):
     kv = PagedKVManager(KVPoolParams(num_pages, PAGE), PagedKVOptions())
     params = SchedulerParams(max_seqs, budget, max_model_len=256, enable_chunked_prefill=chunked)
-    return FcfsScheduler(params, kv, FcfsOptions()), kv
+    return build_scheduler(FcfsPolicy, FcfsOptions(), params, kv), kv
 
 
-def test_fcfs_conforms() -> None:
-    check_scheduler(FcfsScheduler, FcfsOptions(), PagedKVManager, PagedKVOptions(), page_size=4)
+def test_fcfs_conforms_and_never_preempts_for_a_waiting_request() -> None:
+    report = check_scheduler(FcfsPolicy, FcfsOptions(), PagedKVManager, PagedKVOptions())
+    assert report.num_preempted_for_waiting == 0
+    assert report.num_preempted_to_grow > 0
 
 
 def test_admits_in_arrival_order_within_the_budget() -> None:
@@ -78,7 +81,7 @@ def test_the_latest_admitted_is_preempted_and_requeued_first() -> None:
     assert [r.request_id for r in plan.preempted] == ["second"]
     assert second.status is RequestStatus.PREEMPTED
     assert second.num_computed_tokens == 0
-    assert [r.request_id for r in scheduler.waiting] == ["second", "third"]
+    assert list(scheduler.policy.queue) == [second, third]  # type: ignore[attr-defined]
 
 
 def test_every_request_finishes_under_pressure_with_the_same_token_counts() -> None:
@@ -90,11 +93,11 @@ def test_every_request_finishes_under_pressure_with_the_same_token_counts() -> N
     assert kv.num_free_pages() == 10
 
 
-def simulate_step(scheduler: FcfsScheduler, kv: PagedKVManager) -> None:
+def simulate_step(scheduler: BatchScheduler, kv: PagedKVManager) -> None:
     simulate_finish_step(scheduler, kv, scheduler.schedule())
 
 
-def simulate_finish_step(scheduler: FcfsScheduler, kv: PagedKVManager, plan) -> None:  # type: ignore[no-untyped-def]
+def simulate_finish_step(scheduler: BatchScheduler, kv: PagedKVManager, plan) -> None:  # type: ignore[no-untyped-def]
     for item in plan.scheduled:
         request = item.request
         if request.num_computed_tokens + item.num_new_tokens == request.num_tokens:

@@ -19,9 +19,10 @@ from brigade.interfaces import (
 )
 from brigade.models.create import create_model
 from brigade.plugins.kv.paged import PagedKVManager, PagedKVOptions
-from brigade.plugins.schedulers.priority import PriorityOptions, PriorityScheduler
+from brigade.plugins.schedulers.priority import PriorityOptions, PriorityPolicy
 from brigade.registry import load_registry
-from brigade.testing.conformance import check_scheduler, simulate
+from brigade.scheduling import BatchScheduler
+from brigade.testing.conformance import build_scheduler, check_scheduler, simulate
 from brigade.testing.parity import assert_same_greedy_outputs
 from brigade.testing.requests import make_request
 
@@ -30,15 +31,16 @@ PAGE = 4
 
 def make(
     num_pages: int = 100, *, max_seqs: int = 8, budget: int = 64, aging_steps: int = 0
-) -> tuple[PriorityScheduler, PagedKVManager]:
+) -> tuple[BatchScheduler, PagedKVManager]:
     kv = PagedKVManager(
         KVPoolParams(num_pages, PAGE, enable_prefix_caching=False), PagedKVOptions()
     )
     params = SchedulerParams(max_seqs, budget, max_model_len=256)
-    return PriorityScheduler(params, kv, PriorityOptions(aging_steps=aging_steps)), kv
+    options = PriorityOptions(aging_steps=aging_steps)
+    return build_scheduler(PriorityPolicy, options, params, kv), kv
 
 
-def step(scheduler: PriorityScheduler, kv: PagedKVManager) -> SchedulerOutput:
+def step(scheduler: BatchScheduler, kv: PagedKVManager) -> SchedulerOutput:
     """One engine step without a model, as core runs it (see ``conformance.simulate``)."""
     plan = scheduler.schedule()
     finished: list[Request] = []
@@ -62,9 +64,10 @@ def ids(requests: Sequence[Request]) -> list[str]:
 
 
 @pytest.mark.parametrize("aging_steps", [0, 3])
-def test_priority_conforms(aging_steps: int) -> None:
+def test_priority_conforms_and_preempts_runners_for_urgent_arrivals(aging_steps: int) -> None:
     options = PriorityOptions(aging_steps=aging_steps)
-    check_scheduler(PriorityScheduler, options, PagedKVManager, PagedKVOptions(), page_size=PAGE)
+    report = check_scheduler(PriorityPolicy, options, PagedKVManager, PagedKVOptions())
+    assert report.num_preempted_for_waiting > 0
 
 
 def test_runs_by_priority_then_arrival() -> None:
@@ -107,7 +110,7 @@ def test_a_better_arrival_preempts_the_worst_runner_latest_arrival_first() -> No
     # The victim re-queues with its own priority, ahead of an equal-priority later arrival.
     later = make_request("p5-later", [8] * 6, max_tokens=3, priority=5, arrival_time=11.0)
     scheduler.add(later)
-    assert scheduler.next_waiting() is runners[2]
+    assert scheduler.policy.peek() is runners[2]
     assert runners[2].status is RequestStatus.PREEMPTED
 
 

@@ -27,8 +27,9 @@ def test_swap_and_recompute_give_the_roomy_pool_s_tokens(model_dir: Path) -> Non
     assert_same_greedy(run(swap, token_prompts), roomy, "swap")
     scheduler = swap.engine.scheduler
     assert scheduler.stats().num_preemptions > 0
-    assert scheduler.num_swapped_out > 0  # type: ignore[attr-defined]
-    assert scheduler.num_swapped_out == scheduler.num_swapped_in  # type: ignore[attr-defined]
+    assert scheduler.swap is not None
+    assert scheduler.swap.num_swapped_out > 0
+    assert scheduler.swap.num_swapped_out == scheduler.swap.num_swapped_in
     assert swap.engine.kv.num_free_pages() == 16
     recompute = make_llm(model_dir, *SMALL_POOL)
     assert_same_greedy(run(recompute, token_prompts), roomy, "recompute")
@@ -43,7 +44,8 @@ def test_a_full_host_pool_falls_back_to_recompute(model_dir: Path) -> None:
     )
     assert_same_greedy(run(tiny_swap, token_prompts), roomy, "swap with a tiny host pool")
     scheduler = tiny_swap.engine.scheduler
-    assert scheduler.stats().num_preemptions > scheduler.num_swapped_out  # type: ignore[attr-defined]
+    assert scheduler.swap is not None
+    assert scheduler.stats().num_preemptions > scheduler.swap.num_swapped_out
 
 
 def test_swap_needs_an_executor_that_copies_pages(
