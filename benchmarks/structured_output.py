@@ -12,8 +12,8 @@ choice; the two runs are made to generate exactly the same tokens per request in
 3. ``unconstrained``: the same prompts, every request unconstrained with EOS ignored; request
    ``i`` of the constrained half asks for exactly ``L_i`` tokens.
 
-Both runs drive ``EngineCore`` directly with the same sampler (``xgrammar``; its grammar stage
-is idle without constrained rows). The clock starts once every request has its first token,
+Both runs drive ``EngineCore`` directly with the same stations (core's grammar station over
+the ``xgrammar`` backend is idle without constrained rows). The clock starts once every request has its first token,
 so prefill is left out: decode tok/s = tokens generated after that / time after that. Grammars
 are compiled (and cached) before any timed run; the cold compile time is printed separately.
 The two timed runs alternate ``--repeats`` times; the table keeps the best of each, and the
@@ -162,9 +162,9 @@ def main() -> None:
     path = model_dir(args.model_size, args.arch)
     llm = LLM(overrides=[f"model.path={path}", "model.dtype=float32", *args.set])
     engine = llm.engine
-    stage = next((p for p in engine.processors if p.structured_output), None)
+    stage = engine.grammar
     if stage is None:
-        raise SystemExit(f"sampler {engine.sampler_name!r} has no grammar stage; use xgrammar")
+        raise SystemExit("this engine has no grammar station (its executor returns token ids)")
     timer = StageTimer(stage)
 
     rng = random.Random(args.seed)

@@ -5,13 +5,18 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import torch
+
 from brigade.config import EngineConfig
 from brigade.errors import ConfigError, ModelLoadError
+from brigade.grammar import GrammarManager
 from brigade.interfaces import (
     AttentionBackend,
     Checkpoint,
     Executor,
     ExecutorParams,
+    GrammarBackend,
+    GrammarParams,
     LogitsProcessor,
     ModelArchitecture,
     Sampler,
@@ -22,6 +27,7 @@ from brigade.registry import Registry
 __all__ = [
     "ModelPath",
     "build_executor",
+    "build_grammar",
     "build_sampler",
     "kv_pool_pages",
     "model_architecture",
@@ -130,10 +136,26 @@ def build_sampler(config: EngineConfig, registry: Registry, params: SamplerParam
         raise ConfigError(
             f"{config.source} [sampler]: sampler {name!r} does not apply the configured logits "
             f"processors {', '.join(missing)} (it must return SamplerParams.logits_processors "
-            "from logits_processors()); use a sampler that does, such as 'standard' or "
-            "'xgrammar'"
+            "from logits_processors()); use a sampler that does, such as 'standard'"
         )
     return sampler
+
+
+def build_grammar(
+    config: EngineConfig, registry: Registry, params: GrammarParams, max_num_seqs: int
+) -> GrammarManager:
+    """The structured-output station: the configured backend under core's manager."""
+    name = config.plugin("grammar")
+    backend: GrammarBackend = registry.get("grammar", name).factory(
+        params, config["grammar"].options
+    )
+    return GrammarManager(
+        backend,
+        name,
+        max_num_seqs=max_num_seqs,
+        vocab_size=params.vocab_size,
+        device=torch.device(params.device),
+    )
 
 
 def kv_pool_pages(executor: Executor, config: EngineConfig) -> int:

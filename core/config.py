@@ -220,6 +220,16 @@ def _merge(tables: dict[str, Any], extra: Mapping[str, Mapping[str, Any]], origi
         tables.setdefault(station, {}).update(values)
 
 
+_MOVED = {
+    ("sampler", "xgrammar"): (
+        "the 'xgrammar' sampler is gone (Brigade 2.0): structured output is its own station now, "
+        '[grammar] plugin = "xgrammar", on by default next to any sampler; use [sampler] '
+        'plugin = "standard" and move max_whitespace, compile_threads and cache_size to [grammar]'
+    ),
+}
+"""Components that moved in a release, by (station, name): what to write instead."""
+
+
 def _build_station(
     station: Station, table: Mapping[str, Any], registry: Registry, source: str
 ) -> StationConfig:
@@ -244,7 +254,8 @@ def _build_station(
     try:
         component = registry.get(station.kind or "", plugin)
     except UnknownComponentError as exc:
-        raise ConfigError(f"{where} plugin: {exc}") from None
+        moved = _MOVED.get((station.name, plugin))
+        raise ConfigError(f"{where} plugin: {moved or exc}") from None
     plugin_keys = [f.name for f in dataclasses.fields(component.options_type)]
     for key in plugin_values:
         if key not in plugin_keys:

@@ -16,12 +16,14 @@ from typing import Any
 import torch
 
 from brigade.admission import Admission, check_request
-from brigade.assemble import build_executor, build_sampler, open_model
+from brigade.assemble import build_executor, build_grammar, build_sampler, open_model
 from brigade.config import EngineConfig, check_config
 from brigade.errors import ConfigError, EngineDeadError, RequestError, RequestFailedError
+from brigade.grammar import GrammarManager
 from brigade.hooks import notify_request_finished
 from brigade.interfaces import (
     ExtraValue,
+    GrammarParams,
     KVManager,
     KVPoolParams,
     LogitsProcessor,
@@ -44,7 +46,7 @@ __all__ = ["EngineCore", "EngineStats", "StepUpdate", "TokenLogprob"]
 
 logger = logging.getLogger(__name__)
 
-GATE_WAIT_S = 0.01
+GRAMMAR_WAIT_S = 0.01
 """With nothing to run but requests waiting for their grammar, a step waits this long for one."""
 
 
@@ -174,9 +176,21 @@ class EngineCore:
         self.processors: list[LogitsProcessor] = (
             [] if self._executor_returns_token_ids else list(self.sampler.logits_processors())
         )
-        self._grammar_stage = next((p for p in self.processors if p.structured_output), None)
-        self._gates: dict[Request, concurrent.futures.Future[Any]] = {}
-        """Requests waiting for their grammar, with its compile future."""
+        self.grammar: GrammarManager | None = None
+        """The structured-output station (None when the executor returns no logits)."""
+        if not self._executor_returns_token_ids:
+            self.grammar = build_grammar(
+                config,
+                registry,
+                GrammarParams(
+                    self.vocab_size,
+                    tuple(sorted(self.eos_token_ids)),
+                    str(self.device),
+                    checkpoint=self.checkpoint,
+                ),
+                settings.max_num_seqs,
+            )
+            self.processors.append(self.grammar)  # last: nothing re-enables what it masks
         self.batch = PersistentBatch(
             settings.max_num_seqs,
             self.max_model_len,
@@ -226,17 +240,12 @@ class EngineCore:
     def _start_grammar(self, params: SamplingParams) -> concurrent.futures.Future[Any] | None:
         if params.structured_output is None:
             return None
-        if self._grammar_stage is None:
-            why = (
-                "this executor returns token ids, not logits"
-                if self._executor_returns_token_ids
-                else f"the configured sampler {self.sampler_name!r} has no grammar stage; "
-                'use [sampler] plugin = "xgrammar"'
-            )
+        if self.grammar is None:
             raise RequestError(
-                f"structured output is not available: {why}", param="structured_output"
+                "structured output is not available: this executor returns token ids, not logits",
+                param="structured_output",
             )
-        return self._grammar_stage.prepare(params)
+        return self.grammar.prepare(params)
 
     def add_request(
         self,
@@ -273,31 +282,39 @@ class EngineCore:
             priority=priority,
             extra=extra_data,
         )
-        gate = admission.grammar
-        if gate is not None:
-            if gate.done() and gate.exception() is not None:
-                raise RequestError(str(gate.exception()), param="structured_output")
-            if not gate.done():
-                request.ready = False
-                self._gates[request] = gate
+        compiling = False
+        if admission.grammar is not None:
+            assert self.grammar is not None  # admit() refuses grammars without the station
+            try:
+                compiling = self.grammar.hold(request, admission.grammar)
+            except ValueError as exc:
+                raise RequestError(str(exc), param="structured_output") from None
         if params.seed is not None:
             generator = torch.Generator(self.device)
             generator.manual_seed(params.seed)
             self._generators[request_id] = generator
         self.requests[request_id] = request
+        if not compiling:  # else queued once its grammar is compiled (_queue_compiled)
+            error = self._queue(request)
+            if error is not None:
+                self._forget(request)
+                raise RequestFailedError(error)
+        return request
+
+    def _queue(self, request: Request) -> str | None:
+        """Hand ``request`` to the scheduler; why not, when the scheduler refuses it."""
         try:
             self.scheduler.add(request)
         except Exception as exc:
-            self._forget(request)
             try:  # it may hold the request half-added
-                self.scheduler.abort(request_id)
+                self.scheduler.abort(request.request_id)
             except Exception:
-                logger.exception("the scheduler failed to drop request %s", request_id)
-            raise RequestFailedError(
+                logger.exception("the scheduler failed to drop request %s", request.request_id)
+            return (
                 f"the scheduler {self.config.plugin('scheduler')!r} failed to queue this "
                 f"request: {describe(exc)}"
-            ) from exc
-        return request
+            )
+        return None
 
     def abort_request(self, request_id: str) -> Request | None:
         """Stop a request wherever it is and free its pages; None if it is not here."""
@@ -309,13 +326,18 @@ class EngineCore:
             if request is not None:
                 request.status = RequestStatus.FINISHED_ABORTED
         if request is None:
-            return None
-        self._gates.pop(request, None)
+            request = self.requests.get(request_id)
+            if request is None or request.status is not RequestStatus.WAITING_FOR_GRAMMAR:
+                return None
+            request.status = RequestStatus.FINISHED_ABORTED
         self._leave(request)
         return request
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._num_compiling() > 0
+
+    def _num_compiling(self) -> int:
+        return self.grammar.num_waiting if self.grammar is not None else 0
 
     def stats(self) -> EngineStats:
         """Scheduler and KV counters plus queue time, for policy comparisons."""
@@ -323,7 +345,7 @@ class EngineCore:
         return EngineStats(
             num_steps=self.num_steps,
             num_running=scheduler.num_running,
-            num_waiting=scheduler.num_waiting,
+            num_waiting=scheduler.num_waiting + self._num_compiling(),
             num_preemptions=scheduler.num_preemptions,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
@@ -362,8 +384,8 @@ class EngineCore:
             raise self._die(f"the engine step failed twice in a row: {reason}", cause) from cause
 
     def _step(self) -> list[StepUpdate]:
-        if self._gates:
-            self._open_gates()
+        if self._num_compiling():
+            self._queue_compiled()
         output = self.scheduler.schedule()
         for request in output.preempted:
             if request in self.batch:
@@ -379,12 +401,8 @@ class EngineCore:
         if refused:
             output = _without(output, refused)
         if output.is_empty:
-            if self._gates and not refused:  # only requests waiting for their grammar: no spin
-                concurrent.futures.wait(
-                    self._gates.values(),
-                    timeout=GATE_WAIT_S,
-                    return_when=concurrent.futures.FIRST_COMPLETED,
-                )
+            if self.grammar is not None and not refused:  # only grammars compiling: no spin
+                self.grammar.wait(GRAMMAR_WAIT_S)
             return self._take_pending()
         plan = self.batch.prepare(output.scheduled, self.kv)
         result = self.executor.execute(plan.model_input)
@@ -435,8 +453,8 @@ class EngineCore:
             self.batch.append_tokens(rows, positions, tokens)
             rejected = self.sampling.accept(rows, tokens)
             # Rows whose grammar is complete: nothing but a stop token could follow.
-            stage = self._grammar_stage
-            complete = self.sampling.finished_rows(stage) if stage is not None else set()
+            grammar = self.grammar
+            complete = self.sampling.finished_rows(grammar) if grammar is not None else set()
             for index, (request, token) in enumerate(zip(requests, tokens, strict=True)):
                 if index in rejected:
                     failed[request] = rejected[index]
@@ -473,22 +491,19 @@ class EngineCore:
         pending.extend(updates)
         return pending
 
-    def _open_gates(self) -> None:
-        """Let requests whose grammar is ready be scheduled; refuse those whose failed."""
-        for request, gate in list(self._gates.items()):
-            if not gate.done():
-                continue
-            del self._gates[request]
-            error = gate.exception()
-            if error is None:
-                request.ready = True
-                continue
+    def _queue_compiled(self) -> None:
+        """Queue the requests whose grammar is compiled; refuse those whose is invalid."""
+        assert self.grammar is not None
+        ready, refused = self.grammar.take_ready()
+        for request in ready:
+            error = self._queue(request)
+            if error is not None:
+                self._fail(request, error)
+        for request, error in refused:
             logger.warning("request %s refused: %s", request.request_id, error)
-            if self.scheduler.abort(request.request_id) is not None:
-                self._leave(request)
-                self._pending.append(
-                    StepUpdate(request, [], None, True, error=str(error), invalid=True)
-                )
+            request.status = RequestStatus.FINISHED_ABORTED
+            self._leave(request)
+            self._pending.append(StepUpdate(request, [], None, True, error=error, invalid=True))
 
     def _take_pending(self) -> list[StepUpdate]:
         pending, self._pending = self._pending, []
@@ -551,7 +566,8 @@ class EngineCore:
     def _forget(self, request: Request) -> None:
         self.requests.pop(request.request_id, None)
         self._generators.pop(request.request_id, None)
-        self._gates.pop(request, None)
+        if self.grammar is not None:
+            self.grammar.drop(request)
 
 
 def _without(output: SchedulerOutput, requests: Collection[Request]) -> SchedulerOutput:

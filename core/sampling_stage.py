@@ -1,7 +1,8 @@
 """The sampling half of an engine step, with each failure kept to the request that caused it.
 
 One step samples every row at once: the active logits processors (``begin_step``, then
-``apply`` in order), the sampler, then the logprobs the rows asked for. When that raises, the
+``apply`` in order; core's grammar station is the last of them), the sampler, then the
+logprobs the rows asked for. When that raises, the
 stage does not know whose row made it fail, and the processors may already have edited the
 logits in place; so it recomputes the logits (the caller reruns the forward pass, which
 rewrites the same KV) and samples each row on its own. The rows that fail again are reported
@@ -20,6 +21,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from brigade.grammar import GrammarManager
 from brigade.interfaces import LogitsProcessor, Request, Sampler
 
 if TYPE_CHECKING:
@@ -168,12 +170,12 @@ class SamplingStage:
                         failures.setdefault(index, _StageError(_name(processor), exc).reason())
         return failures
 
-    def finished_rows(self, stage: LogitsProcessor) -> set[int]:
-        """Rows whose grammar is complete (none when the stage fails to say: logged)."""
+    def finished_rows(self, grammar: GrammarManager) -> set[int]:
+        """Rows whose grammar is complete (none when the station fails to say: logged)."""
         try:
-            return set(stage.finished_rows())
+            return grammar.finished_rows()
         except Exception as exc:
-            logger.error("%s failed to report finished rows: %s", _name(stage), describe(exc))
+            logger.error("%s failed to report finished rows: %s", _name(grammar), describe(exc))
             return set()
 
     # -- internals ----------------------------------------------------------------------
@@ -247,4 +249,6 @@ def _guarded(what: str, call: Callable[..., T], *args: Any) -> T:
 
 
 def _name(processor: LogitsProcessor) -> str:
+    if isinstance(processor, GrammarManager):
+        return f"the grammar backend {processor.name!r}"
     return f"the logits processor {type(processor).__name__}"

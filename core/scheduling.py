@@ -50,8 +50,8 @@ class BatchScheduler:
     Ownership: the scheduler is the KV manager's only caller during :meth:`schedule` and
     writes ``status``, ``num_computed_tokens`` and ``num_preemptions`` of its requests. Core
     appends sampled tokens, decides when a request is finished, then calls :meth:`update` and
-    frees the pages. A request whose ``ready`` is False (its grammar is compiling) is held
-    back, without pages, until core sets it; the policy sees it only then.
+    frees the pages. A request whose grammar is compiling waits in core's grammar station and
+    is added here only once it is compiled.
 
     Implements ``SchedulerView`` for the policy: :attr:`params`, :attr:`running`,
     :attr:`num_steps`, :meth:`now`, :meth:`cached_prefix_len`.
@@ -72,8 +72,6 @@ class BatchScheduler:
         self._running: list[Request] = []
         self._waiting: dict[str, Request] = {}
         """Requests queued in the policy, by id (for abort and stats)."""
-        self.gated: list[Request] = []
-        """Requests that are not ready yet (grammar compiling): queued once they are."""
         self.num_preemptions = 0
         self.num_steps = 0
         self._admitted_now: set[int] = set()
@@ -95,12 +93,9 @@ class BatchScheduler:
     # -- what core calls -----------------------------------------------------------------
 
     def add(self, request: Request) -> None:
-        """Queue a new request (status WAITING); held back while it is not ready."""
+        """Queue a new request (status WAITING) in the policy."""
         request.status = RequestStatus.WAITING
-        if request.ready:
-            self._enqueue(request, preempted=False)
-        else:
-            self.gated.append(request)
+        self._enqueue(request, preempted=False)
 
     def abort(self, request_id: str) -> Request | None:
         """Remove a request wherever it is and free its pages; return it (None if unknown)."""
@@ -109,13 +104,10 @@ class BatchScheduler:
             self.policy.remove(request)
         else:
             request = _take(self._running, request_id)
-            if request is not None:
-                self.kv.free(request)
-                self.policy.release(request)
-            else:
-                request = _take(self.gated, request_id)
-                if request is None:
-                    return None
+            if request is None:
+                return None
+            self.kv.free(request)
+            self.policy.release(request)
         if self.swap is not None:
             self.swap.drop(request_id)
         request.status = RequestStatus.FINISHED_ABORTED
@@ -123,18 +115,14 @@ class BatchScheduler:
 
     def has_unfinished(self) -> bool:
         """True while any request waits or runs."""
-        return bool(self._running or self._waiting or self.gated)
+        return bool(self._running or self._waiting)
 
     def stats(self) -> SchedulerStats:
-        return SchedulerStats(
-            len(self._running), len(self._waiting) + len(self.gated), self.num_preemptions
-        )
+        return SchedulerStats(len(self._running), len(self._waiting), self.num_preemptions)
 
     def schedule(self) -> SchedulerOutput:
         """Plan the next step under the token budget (rows in serving order; the persistent
         batch lays decodes out first)."""
-        if self.gated:
-            self._open_gates()
         if self.swap is not None:
             self.swap.begin_step()
         self._admitted_now = set()
@@ -191,16 +179,6 @@ class BatchScheduler:
     def _enqueue(self, request: Request, *, preempted: bool) -> None:
         self.policy.enqueue(request, preempted=preempted)  # may refuse it: then it is not ours
         self._waiting[request.request_id] = request
-
-    def _open_gates(self) -> None:
-        """Queue the gated requests that became ready, in arrival order."""
-        still_gated = []
-        for request in self.gated:
-            if request.ready:
-                self._enqueue(request, preempted=False)
-            else:
-                still_gated.append(request)
-        self.gated = still_gated
 
     def _admit(
         self, budget: int, scheduled: list[ScheduledRequest], preempted: list[Request]

@@ -478,7 +478,8 @@ FLAGS: tuple[ServeFlag, ...] = (
     _refused("--reasoning-parser", "reasoning output (reasoning_content) is not implemented yet"),
     _refused(
         ("--structured-outputs-config", "--guided-decoding-backend"),
-        'structured output always uses XGrammar: [sampler] plugin = "xgrammar" (the default)',
+        'structured output is the [grammar] station: plugin = "xgrammar" (the default) or a '
+        "third-party grammar backend (`brigade plugins`)",
     ),
     _refused(
         "--logits-processors",
@@ -495,8 +496,8 @@ FLAGS: tuple[ServeFlag, ...] = (
     ),
     _refused(
         "--scheduler-cls",
-        'pick a scheduler by name: [scheduler] plugin = "fcfs", "priority" or a third-party '
-        "plugin (`brigade plugins`)",
+        'pick a scheduling policy by name: [scheduler] plugin = "fcfs", "priority", "lpm" or a '
+        "third-party policy (`brigade plugins`)",
     ),
     _refused(
         "--prefix-caching-hash-algo",

@@ -177,10 +177,17 @@ STATIONS: dict[str, Station] = {
         Station(
             "sampler",
             "sampler",
-            "xgrammar",
+            "standard",
             SamplerSettings,
-            "Chooses tokens from logits (xgrammar: standard sampling plus structured output).",
+            "Chooses tokens from logits, after its logits processors.",
             chain_kind="logits_processor",
+        ),
+        Station(
+            "grammar",
+            "grammar",
+            "xgrammar",
+            NoSettings,
+            "Structured output: compiles a request's grammar and masks its logits to it.",
         ),
         Station(
             "detokenizer",

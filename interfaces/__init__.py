@@ -12,6 +12,7 @@ kind               contract                             factory is called as
 ``attention``      :class:`AttentionBackend`            ``factory(options)``
 ``sampler``        :class:`Sampler`                     ``factory(sampler_params, options)``
 ``logits_processor`` :class:`LogitsProcessor`           ``factory(sampler_params, options)``
+``grammar``        :class:`GrammarBackend`              ``factory(grammar_params, options)``
 ``detokenizer``    :class:`Detokenizer`                 ``factory(tokenizer, options)``
 ``model``          :class:`ModelArchitecture`           ``factory()``; named by HF architecture
 =================  ===================================  ==========================================
@@ -26,6 +27,7 @@ from brigade.interfaces.attention import AttentionBackend, AttentionLayer, PageS
 from brigade.interfaces.batch import ModelInput
 from brigade.interfaces.detokenizer import Detokenizer, TextDelta
 from brigade.interfaces.executor import Executor, ExecutorParams, KVCacheSpec
+from brigade.interfaces.grammar import GrammarBackend, GrammarMatcher, GrammarParams
 from brigade.interfaces.hookspecs import BrigadeHookSpec, ComponentRegistry, hookimpl
 from brigade.interfaces.kv import Allocation, KVManager, KVPoolParams, KVStats
 from brigade.interfaces.model import CausalLM, Checkpoint, ModelArchitecture, SplitCausalLM
@@ -63,6 +65,7 @@ COMPONENT_KINDS: dict[str, type] = {
     "attention": AttentionBackend,
     "sampler": Sampler,
     "logits_processor": LogitsProcessor,
+    "grammar": GrammarBackend,
     "detokenizer": Detokenizer,
     "model": ModelArchitecture,
 }
@@ -75,6 +78,7 @@ FACTORY_ARGUMENTS: dict[str, tuple[str, ...]] = {
     "attention": ("options",),
     "sampler": ("sampler_params", "options"),
     "logits_processor": ("sampler_params", "options"),
+    "grammar": ("grammar_params", "options"),
     "detokenizer": ("tokenizer", "options"),
     "model": (),
 }
@@ -97,6 +101,9 @@ __all__ = [
     "Executor",
     "ExecutorParams",
     "ExtraValue",
+    "GrammarBackend",
+    "GrammarMatcher",
+    "GrammarParams",
     "KVCacheSpec",
     "KVManager",
     "KVPoolParams",

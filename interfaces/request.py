@@ -89,6 +89,8 @@ def _no_extra() -> Mapping[str, ExtraValue]:
 class RequestStatus(enum.Enum):
     """Where a request is in its life; the ``FINISHED_*`` values double as finish reasons."""
 
+    WAITING_FOR_GRAMMAR = "waiting_for_grammar"
+    """Its structured-output grammar is compiling: not queued yet, no KV pages (API 2.0)."""
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
@@ -135,10 +137,6 @@ class Request:
     num_cached_tokens: int = 0
     """Tokens served from the prefix cache at the latest admission."""
     num_preemptions: int = 0
-    ready: bool = True
-    """False while something the request needs before it may run is being prepared off the
-    step loop (its grammar compiling). Schedulers must not schedule a request that is not
-    ready; it holds no KV pages meanwhile. Core is the only writer."""
     first_scheduled_time: float | None = None
     """When the request first got a batch row (queue time ends), on the engine clock."""
 

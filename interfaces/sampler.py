@@ -5,11 +5,9 @@ from __future__ import annotations
 import abc
 import dataclasses
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future
 from typing import TYPE_CHECKING, ClassVar
 
 from brigade.interfaces.request import Request
-from brigade.interfaces.sampling import SamplingParams
 
 if TYPE_CHECKING:
     import torch
@@ -84,7 +82,7 @@ class SampleOutput:
 
 
 class LogitsProcessor(abc.ABC):
-    """One stage of the chain that edits logits before sampling (penalties, bias, grammar).
+    """One stage of the chain that edits logits before sampling (penalties, bias, bans).
 
     A registered ``logits_processor`` component is constructed as ``factory(params:
     SamplerParams, options)`` when ``[sampler] logits_processors`` names it; it sees every
@@ -106,16 +104,12 @@ class LogitsProcessor(abc.ABC):
     again. When :meth:`accept_batch` raises, core retries it one row at a time, so it must
     raise before recording anything. A :meth:`remove` that raises is logged.
 
-    A grammar stage (:attr:`structured_output` True) also gets :meth:`prepare` for every
-    request with ``sampling_params.structured_output`` before it may run, and reports rows
-    whose grammar is complete through :meth:`finished_rows`.
+    Structured output is not a logits processor: it is its own station (a
+    ``GrammarBackend``, ``[grammar]``), whose mask core applies after every processor.
     """
 
     needs_tokens: ClassVar[bool] = True
     """False when :meth:`accept_batch` is a no-op, so core can skip the call."""
-    structured_output: ClassVar[bool] = False
-    """True for a stage that enforces ``SamplingParams.structured_output``. Core refuses a
-    structured request when no stage of the sampler says so (never an unconstrained answer)."""
 
     @abc.abstractmethod
     def add(self, row: int, request: Request) -> None:
@@ -149,25 +143,7 @@ class LogitsProcessor(abc.ABC):
     def begin_step(self, rows: Sequence[int]) -> None:  # noqa: B027 - optional
         """Host-side work for the coming :meth:`apply`, given the persistent rows it will see
         (in logits order). Core calls it after launching the model step, so on a GPU this
-        work (a grammar's token bitmasks) overlaps the forward pass."""
-
-    def prepare(self, params: SamplingParams) -> Future[None] | None:
-        """Start slow per-request work (compiling a grammar) off the step loop.
-
-        Called once per prompt whose ``params.structured_output`` is set, when core admits
-        it (``EngineCore.admit``; the ``n`` choices of the prompt share the future), possibly
-        from a thread other than the engine's (the server admits before it answers), so it
-        must be thread-safe. Core keeps the request unscheduled (``Request.ready`` False,
-        holding no KV pages) until the future is done. A future that fails with
-        ``ValueError`` means the request is invalid; its message says why. None: nothing to
-        wait for.
-        """
-        return None
-
-    def finished_rows(self) -> Sequence[int]:
-        """Rows whose output is complete after the latest :meth:`accept_batch` (the grammar
-        can only end there); core finishes their requests with reason ``stop``."""
-        return ()
+        work (e.g. a look-up of recent tokens) overlaps the forward pass."""
 
 
 class Sampler(abc.ABC):
@@ -184,13 +160,14 @@ class Sampler(abc.ABC):
     """
 
     def logits_processors(self) -> Sequence[LogitsProcessor]:
-        """The stages this sampler wants applied before it (penalties, bias, grammar ...).
+        """The stages this sampler wants applied before it (penalties, bias, bans ...).
 
         Every one of ``params.logits_processors`` appears, in config order, after the stages
         that apply a request's ``logit_bias`` and penalties (a configured processor sees the
         request's own edits, and a request cannot bias its way past an engine-wide ban) and
-        before the stages that mask tokens a request must not emit yet (``min_tokens``, a
-        grammar), so that no configured processor can re-enable a token they forbid.
+        before the stages that mask tokens a request must not emit yet (``min_tokens``), so
+        that no configured processor can re-enable a token they forbid. Core masks a
+        request's grammar after all of them.
         """
         return ()
 

@@ -13,12 +13,12 @@ from brigade.plugins.detokenizers.incremental import (
 from brigade.plugins.executors.cuda_graph import CudaGraphExecutor, CudaGraphExecutorOptions
 from brigade.plugins.executors.simulated import SimulatedExecutor, SimulatedExecutorOptions
 from brigade.plugins.executors.torch_executor import TorchExecutor, TorchExecutorOptions
+from brigade.plugins.grammar.xgrammar import XGrammarBackend, XGrammarOptions
 from brigade.plugins.kv.paged import PagedKVManager, PagedKVOptions
 from brigade.plugins.kv.radix import RadixKVManager, RadixKVOptions
 from brigade.plugins.models.architectures import ARCHITECTURES
 from brigade.plugins.samplers.ban_words import BanWordsOptions, BanWordsProcessor
 from brigade.plugins.samplers.standard import StandardSampler, StandardSamplerOptions
-from brigade.plugins.samplers.xgrammar_sampler import XGrammarSampler, XGrammarSamplerOptions
 from brigade.plugins.schedulers.cache_aware import LongestPrefixOptions, LongestPrefixPolicy
 from brigade.plugins.schedulers.fcfs import FcfsOptions, FcfsPolicy
 from brigade.plugins.schedulers.priority import PriorityOptions, PriorityPolicy
@@ -39,7 +39,7 @@ def brigade_register(registry: ComponentRegistry) -> None:
     registry.add("attention", "triton", TritonBackend, options=TritonAttentionOptions)
     registry.add("attention", "flash-attn", FlashAttentionBackend)
     registry.add("sampler", "standard", StandardSampler, options=StandardSamplerOptions)
-    registry.add("sampler", "xgrammar", XGrammarSampler, options=XGrammarSamplerOptions)
+    registry.add("grammar", "xgrammar", XGrammarBackend, options=XGrammarOptions)
     registry.add("logits_processor", "ban-words", BanWordsProcessor, options=BanWordsOptions)
     registry.add(
         "detokenizer", "incremental", IncrementalDetokenizer, options=IncrementalDetokenizerOptions

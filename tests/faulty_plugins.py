@@ -46,7 +46,6 @@ from brigade.plugins.samplers.processors import (
     PenaltiesProcessor,
 )
 from brigade.plugins.samplers.standard import StandardSampler, StandardSamplerOptions
-from brigade.plugins.samplers.xgrammar_sampler import XGrammarSampler, XGrammarSamplerOptions
 from brigade.plugins.schedulers.fcfs import FcfsOptions, FcfsPolicy
 
 POISON = {"add": 21, "begin_step": 22, "apply": 23, "accept": 24, "nan_logits": 25}
@@ -247,14 +246,6 @@ class ProcessorsFirstSampler(StandardSampler):
             PenaltiesProcessor(params),
             MinTokensProcessor(params),
         )
-
-
-class GrammarFirstSampler(XGrammarSampler):
-    """Masks the grammar before the configured processors (so they can undo it)."""
-
-    def __init__(self, params: SamplerParams, options: XGrammarSamplerOptions) -> None:
-        super().__init__(params, options)
-        self._processors = (self._processors[-1], *self._processors[:-1])
 
 
 @hookimpl

@@ -40,7 +40,8 @@ def test_no_file_means_defaults(registry: Registry) -> None:
         "scheduler": "fcfs",
         "executor": "torch",
         "attention": "sdpa",
-        "sampler": "xgrammar",
+        "sampler": "standard",
+        "grammar": "xgrammar",
         "detokenizer": "incremental",
     }
 

@@ -21,7 +21,6 @@ from brigade.plugins.executors.torch_executor import TorchExecutor, TorchExecuto
 from brigade.plugins.samplers.ban_words import BanWordsOptions, BanWordsProcessor
 from brigade.plugins.samplers.processors import PenaltiesProcessor
 from brigade.plugins.samplers.standard import StandardSamplerOptions
-from brigade.plugins.samplers.xgrammar_sampler import XGrammarSamplerOptions
 from brigade.registry import Component, load_registry
 from brigade.testing.conformance import (
     check_attention_backend,
@@ -171,13 +170,8 @@ def test_the_sampler_check_fails_a_sampler_that_ignores_a_field(field: str) -> N
             r"^logits_processors: configured processors must see the logits after the "
             r"request's logit_bias",
         ),
-        (
-            faulty_plugins.GrammarFirstSampler,
-            XGrammarSamplerOptions(),
-            r"^logits_processors: grammar stage GrammarProcessor runs before the configured",
-        ),
     ],
-    ids=["min-tokens-first", "processors-first", "grammar-first"],
+    ids=["min-tokens-first", "processors-first"],
 )
 def test_the_sampler_check_fails_a_chain_in_the_wrong_order(
     factory: object, options: object, message: str

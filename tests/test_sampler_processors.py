@@ -25,7 +25,6 @@ from brigade.plugins.samplers.processors import (
     PenaltiesProcessor,
 )
 from brigade.plugins.samplers.standard import StandardSampler, StandardSamplerOptions
-from brigade.plugins.samplers.xgrammar_sampler import XGrammarSampler, XGrammarSamplerOptions
 from brigade.registry import load_registry
 from brigade.testing.conformance import check_logits_processor
 
@@ -177,10 +176,7 @@ def test_without_configured_processors_the_chain_gives_the_logits_it_gave_before
                 processor.accept_batch(rows, tokens)
 
 
-@pytest.mark.parametrize(
-    ("factory", "options"),
-    [(StandardSampler, StandardSamplerOptions()), (XGrammarSampler, XGrammarSamplerOptions())],
-)
+@pytest.mark.parametrize(("factory", "options"), [(StandardSampler, StandardSamplerOptions())])
 def test_a_request_cannot_bias_its_way_past_a_configured_ban(factory: Any, options: Any) -> None:
     ban = BanWordsProcessor(PARAMS, BanWordsOptions(token_ids=(4,)))
     params = SamplerParams(8, VOCAB, "cpu", logits_processors=(ban,))
@@ -188,8 +184,6 @@ def test_a_request_cannot_bias_its_way_past_a_configured_ban(factory: Any, optio
     names = [type(p).__name__ for p in chain]
     expected = ["LogitBiasProcessor", "PenaltiesProcessor", "BanWordsProcessor"]
     assert names[:4] == [*expected, "MinTokensProcessor"]
-    if factory is XGrammarSampler:
-        assert names[-1] == "GrammarProcessor"
     for processor in chain:
         processor.add(0, request(logit_bias={4: 100.0}))
     out = run_chain(chain, torch.zeros(1, VOCAB), [0])

@@ -19,16 +19,17 @@ import pytest
 import torch
 
 from brigade import LLM
-from brigade.errors import RequestError
+from brigade.errors import ConfigError, RequestError
+from brigade.grammar import GrammarManager
 from brigade.interfaces import (
+    GrammarParams,
     Request,
     RequestStatus,
-    SamplerParams,
     SamplingParams,
     StructuredOutput,
 )
 from brigade.models.create import create_model
-from brigade.plugins.samplers.grammar import GrammarBackend, GrammarProcessor
+from brigade.plugins.grammar.xgrammar import XGrammarBackend, XGrammarOptions
 from brigade.testing.parity import assert_same_greedy_outputs
 
 MAX_TOKENS = 256
@@ -453,7 +454,7 @@ def test_n_children_with_a_seed_each_validate(llm: LLM) -> None:
 
 
 def test_whitespace_option_still_validates(model_dirs: dict) -> None:
-    llm = make_llm(model_dirs["llama"], "sampler.max_whitespace=4")
+    llm = make_llm(model_dirs["llama"], "grammar.max_whitespace=4")
     names = [n for n in SCHEMAS if n not in ("mixed_enum", "string_enum")][:14]
     params = [p for name in names for p in variants(schema_output(name))]
     outputs = llm.generate(make_prompts(len(params), seed=5), params, use_tqdm=False)
@@ -635,13 +636,18 @@ def test_a_spec_that_is_not_json_is_refused_on_construction() -> None:
         StructuredOutput("yaml", "a: 1")
 
 
-def test_the_standard_sampler_refuses_structured_output(model_dirs: dict) -> None:
-    llm = make_llm(model_dirs["llama"], "sampler.plugin=standard")
-    params = SamplingParams(max_tokens=8, structured_output=schema_output("string_enum"))
-    with pytest.raises(RequestError, match="xgrammar") as raised:
-        llm.generate(make_prompts(1), params, use_tqdm=False)
-    assert "prompt 0" in str(raised.value)
-    assert llm.engine.num_steps == 0
+def test_the_1x_xgrammar_sampler_is_refused_with_where_it_went(model_dirs: dict) -> None:
+    with pytest.raises(ConfigError, match=r"structured output is its own station now") as raised:
+        make_llm(model_dirs["llama"], "sampler.plugin=xgrammar")
+    assert '[grammar] plugin = "xgrammar"' in str(raised.value)
+
+
+def test_structured_output_is_the_grammar_station_next_to_any_sampler(llm: LLM) -> None:
+    engine = llm.engine
+    assert engine.sampler_name == "standard"
+    assert engine.config.plugin("grammar") == "xgrammar"
+    assert engine.grammar is not None
+    assert engine.processors[-1] is engine.grammar
 
 
 # -- the readiness gate ----------------------------------------------------------------------
@@ -650,7 +656,9 @@ def test_the_standard_sampler_refuses_structured_output(model_dirs: dict) -> Non
 @pytest.fixture
 def slow_compiles(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
     """Grammars compiled from now on wait for the returned event (set it to release them)."""
-    backend: GrammarBackend = llm.engine.sampler.backend  # type: ignore[attr-defined]
+    assert llm.engine.grammar is not None
+    backend = llm.engine.grammar.backend
+    assert isinstance(backend, XGrammarBackend)
     release = threading.Event()
     original = backend._compile
 
@@ -679,7 +687,7 @@ def test_a_compiling_grammar_gates_its_request_without_pages(
         make_prompts(1, seed=52)[0],
         SamplingParams(max_tokens=64, structured_output=structured),
     )
-    assert not gated.ready
+    assert gated.status is RequestStatus.WAITING_FOR_GRAMMAR
     for step in range(1, 6):
         updates = {u.request.request_id: u for u in engine.step()}
         assert set(updates) == {"free"}, f"step {step}: {sorted(updates)}"
@@ -774,25 +782,31 @@ def test_preempted_constrained_requests_resume_their_grammar(
     assert small.engine.kv.num_free_pages() == 24
 
 
-def allowed_tokens(processor: GrammarProcessor, row: int, vocab_size: int) -> torch.Tensor:
+def allowed_tokens(processor: GrammarManager, row: int, vocab_size: int) -> torch.Tensor:
     """The row's mask as the sampler sees it: True where the grammar allows the token."""
     processor.begin_step([row])
     logits = processor.apply(torch.zeros(1, vocab_size), torch.tensor([row]))
     return torch.isfinite(logits[0])
 
 
-def grammar_stage(llm: LLM) -> tuple[GrammarBackend, GrammarProcessor]:
-    """A grammar backend and processor of 4 rows for ``llm``'s model, outside its engine."""
+def grammar_stage(llm: LLM) -> tuple[XGrammarBackend, GrammarManager]:
+    """A grammar backend and core's manager of 4 rows for ``llm``'s model, outside its engine."""
     engine = llm.engine
-    params = SamplerParams(
-        4,
+    params = GrammarParams(
         engine.vocab_size,
+        tuple(sorted(engine.eos_token_ids)),
         "cpu",
-        model_dir=str(engine.model_dir),
-        eos_token_ids=tuple(sorted(engine.eos_token_ids)),
+        checkpoint=engine.checkpoint,
     )
-    backend = GrammarBackend(params)
-    return backend, GrammarProcessor(params, backend)
+    backend = XGrammarBackend(params, XGrammarOptions())
+    manager = GrammarManager(
+        backend,
+        "xgrammar",
+        max_num_seqs=4,
+        vocab_size=engine.vocab_size,
+        device=torch.device("cpu"),
+    )
+    return backend, manager
 
 
 def test_rollback_restores_the_mask(llm: LLM) -> None:
@@ -811,7 +825,7 @@ def test_rollback_restores_the_mask(llm: LLM) -> None:
         assert masks[-1][token], f"{tokenizer.decode([token])!r} should be allowed"
         processor.accept_batch([2], [token])
         masks.append(allowed_tokens(processor, 2, engine.vocab_size))
-    assert processor.finished_rows() == [2]  # the grammar completed on the last token
+    assert processor.finished_rows() == {2}  # the grammar completed on the last token
     assert len({tuple(m.nonzero().flatten().tolist()) for m in masks}) > 3, "masks should vary"
     for back in (1, 5, len(tokens) - 3):
         processor.rollback(2, back)
@@ -840,7 +854,7 @@ def test_a_preempted_request_keeps_its_matcher(llm: LLM) -> None:
         processor.accept_batch([1], [token])
         request.output_token_ids.append(token)
     before = allowed_tokens(processor, 1, engine.vocab_size)
-    kept = processor._matchers[1]
+    kept = processor._rows[1]
     request.status = RequestStatus.PREEMPTED
     processor.remove(1)
     assert not processor.is_active
@@ -848,12 +862,13 @@ def test_a_preempted_request_keeps_its_matcher(llm: LLM) -> None:
     compiled = backend.num_compiled
     request.status = RequestStatus.RUNNING
     processor.add(3, request)
-    assert processor._matchers[3] is kept, "the preempted request's matcher comes back"
+    assert processor._rows[3] is kept, "the preempted request's matcher comes back"
     assert backend.num_compiled == compiled
     assert torch.equal(allowed_tokens(processor, 3, engine.vocab_size), before)
     request.status = RequestStatus.FINISHED_ABORTED
     processor.remove(3)
-    assert not processor._preempted, "a finished request's matcher is not kept"
+    processor.drop(request)  # what the engine does when a request ends
+    assert not processor._matchers, "a finished request's matcher is not kept"
     backend.shutdown()
 
 

@@ -158,11 +158,6 @@ def _check_placement(
         "logits_processors: the sampler's chain does not keep the configured processors in "
         "config order"
     )
-    masks = [type(s).__name__ for s in chain[: positions[0]] if s.structured_output]
-    assert not masks, (
-        f"logits_processors: grammar stage {masks[0]} runs before the configured processors; "
-        "it must come after them, so that none can re-enable a token the grammar masks"
-    )
 
 
 def _run(

@@ -153,7 +153,6 @@ def check_scheduler(
     assert len(scheduler.policy) == 0, "an aborted request is still in the policy's queue"
     assert kv.num_free_pages() == 40, "abort did not free the running request's pages"
     assert not scheduler.has_unfinished()
-    _check_readiness_gate(build_scheduler(factory, options, params, kv), kv, page_size)
     return report
 
 
@@ -257,33 +256,6 @@ def _watched(scheduler: BatchScheduler, report: PolicyReport) -> BatchScheduler:
     return scheduler
 
 
-def _check_readiness_gate(scheduler: BatchScheduler, kv: KVManager, page_size: int) -> None:
-    """A request that is not ready (grammar compiling) waits without pages; others go on."""
-    gated, other = _requests(2, prompt_lens=(6,), max_tokens=(3,))
-    gated.ready = False
-    free = kv.num_free_pages()
-    scheduler.add(gated)
-    scheduler.add(other)
-    for _ in range(3):
-        plan = scheduler.schedule()
-        _check_plan(scheduler, kv, plan, page_size)
-        assert all(s.request is not gated for s in plan.scheduled), "scheduled a gated request"
-        assert not kv.block_table(gated), "a gated request holds KV pages"
-        assert any(s.request is other for s in plan.scheduled), "the gate blocked another request"
-        scheduler.update(plan, [])
-        for item in plan.scheduled:
-            kv.commit(item.request)
-            item.request.output_token_ids.append(7)
-    assert scheduler.has_unfinished()
-    assert scheduler.stats().num_waiting >= 1, "a gated request must count as waiting"
-    gated.ready = True
-    plan = scheduler.schedule()
-    assert any(s.request is gated for s in plan.scheduled), "a ready request was not admitted"
-    for request in (gated, other):
-        scheduler.abort(request.request_id)
-    assert kv.num_free_pages() == free, "pages leaked after the gate test"
-
-
 def _requests(
     count: int, *, prompt_lens: Sequence[int], max_tokens: Sequence[int]
 ) -> list[Request]:
@@ -316,10 +288,9 @@ def _check_plan(
     assert plan.num_batched_tokens <= params.max_num_batched_tokens, "token budget exceeded"
     preempted = {r.request_id for r in plan.preempted}
     assert not preempted & set(ids), "a preempted request was also scheduled"
-    stats = scheduler.stats()
-    assert len(scheduler.policy) == stats.num_waiting - len(scheduler.gated), (
-        f"the policy queues {len(scheduler.policy)} requests, but "
-        f"{stats.num_waiting - len(scheduler.gated)} are waiting"
+    num_waiting = scheduler.stats().num_waiting
+    assert len(scheduler.policy) == num_waiting, (
+        f"the policy queues {len(scheduler.policy)} requests, but {num_waiting} are waiting"
     )
     pages_held: dict[int, str] = {}
     for item in plan.scheduled:

@@ -1,27 +1,19 @@
-"""Structured output on XGrammar: the grammar backend and the grammar logits processor.
+"""The ``xgrammar`` grammar backend: structured output on XGrammar.
 
-:class:`GrammarBackend` is engine-level: it builds XGrammar's tokenizer info from the model's
-tokenizer (lazily, on the first structured request), compiles grammars on a small thread pool
-so that the step loop never waits for a cold schema, and caches the compiled grammars by
-their :class:`~brigade.interfaces.StructuredOutput` (LRU, failures included, so a bad schema
-sent again fails fast).
-
-:class:`GrammarProcessor` is the ``LogitsProcessor`` stage: one ``GrammarMatcher`` per
-constrained persistent row. Each step the host fills the token bitmask of the constrained
-rows being sampled (:meth:`~GrammarProcessor.begin_step`, overlapping the forward pass on a
-GPU), copies it to the device once and masks those rows' logits in one call; unconstrained
-rows in the same batch are untouched. Matchers advance on accepted tokens, are rebuilt from
-the emitted tokens when a preempted request comes back, roll back for speculative decoding,
-and report a row as finished as soon as its grammar cannot go on.
-
-Any third-party sampler can reuse the stage: construct a :class:`GrammarProcessor` and return
-it from ``logits_processors()``.
+:class:`XGrammarBackend` builds XGrammar's tokenizer info from the model's tokenizer (lazily,
+on the first structured request), compiles grammars on a small thread pool so that the step
+loop never waits for a cold schema, and caches the compiled grammars by their
+:class:`~brigade.interfaces.StructuredOutput` (LRU, failures included, so a bad schema sent
+again fails fast). What XGrammar would silently not enforce (some JSON-schema keywords,
+lookaround in regexes) is refused with a message instead. :class:`XGrammarMatcher` wraps one
+``xgrammar.GrammarMatcher``; core's grammar manager drives both.
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import json
 import logging
 import re
@@ -32,14 +24,14 @@ from typing import Any
 import torch
 
 from brigade.interfaces import (
-    LogitsProcessor,
-    Request,
-    SamplerParams,
-    SamplingParams,
+    GrammarBackend,
+    GrammarMatcher,
+    GrammarParams,
     StructuredOutput,
+    option,
 )
 
-__all__ = ["GrammarBackend", "GrammarProcessor", "check_json_schema"]
+__all__ = ["XGrammarBackend", "XGrammarMatcher", "XGrammarOptions", "check_json_schema"]
 
 logger = logging.getLogger(__name__)
 
@@ -196,26 +188,67 @@ def _disjoint(branches: list[Any]) -> bool:
     return False
 
 
-class GrammarBackend:
+@dataclasses.dataclass(frozen=True)
+class XGrammarOptions:
+    """Options of the ``xgrammar`` grammar backend (the ``[grammar]`` table)."""
+
+    max_whitespace: int = option(
+        0,
+        help="JSON whitespace: 0 = compact JSON with fixed separators (', ' and ': '), so even "
+        "a weak model finishes a bounded schema; N > 0 = up to N whitespace characters wherever "
+        "JSON allows them",
+        ge=0,
+        le=64,
+    )
+    compile_threads: int = option(
+        2, help="threads compiling grammars off the step loop", ge=1, le=64
+    )
+    cache_size: int = option(256, help="compiled grammars kept (LRU, keyed by the grammar)", ge=1)
+
+
+class XGrammarMatcher(GrammarMatcher):
+    """One request's ``xgrammar.GrammarMatcher`` (unlimited rollback)."""
+
+    def __init__(self, matcher: Any, non_stop: torch.Tensor, scratch: torch.Tensor) -> None:
+        self._matcher = matcher
+        self._non_stop = non_stop
+        self._scratch = scratch
+
+    def fill_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
+        self._matcher.fill_next_token_bitmask(bitmask, index)
+
+    def accept(self, token_id: int) -> bool:
+        return bool(self._matcher.accept_token(token_id))
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self._matcher.rollback(num_tokens)
+
+    def is_terminated(self) -> bool:
+        """It took a stop token, or it is complete and allows nothing but a stop token."""
+        matcher = self._matcher
+        if matcher.is_terminated():
+            return True
+        if not matcher.is_completed():
+            return False
+        matcher.fill_next_token_bitmask(self._scratch, 0)
+        return not bool((self._scratch[0] & self._non_stop).any())
+
+
+class XGrammarBackend(GrammarBackend):
     """Tokenizer info, compiler, compile pool and compiled-grammar cache of one engine.
 
     Thread-safe: :meth:`compile` may be called from the engine thread and from the server's
     event loop at once.
     """
 
-    def __init__(
-        self,
-        params: SamplerParams,
-        *,
-        max_whitespace: int = 0,
-        compile_threads: int = 2,
-        cache_size: int = 256,
-    ) -> None:
+    def __init__(self, params: GrammarParams, options: XGrammarOptions) -> None:
         self.params = params
-        self.max_whitespace = max_whitespace
-        self.cache_size = cache_size
+        self.options = options
+        self.max_whitespace = options.max_whitespace
+        self.cache_size = options.cache_size
         self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=compile_threads, thread_name_prefix="brigade-grammar"
+            max_workers=options.compile_threads, thread_name_prefix="brigade-grammar"
         )
         self._lock = threading.Lock()
         self._compiler_lock = threading.Lock()
@@ -225,6 +258,13 @@ class GrammarBackend:
         )
         self.num_compiled = 0
         """Grammars compiled so far (cache misses)."""
+        words = -(-params.vocab_size // 32)
+        self._scratch = torch.full((1, words), -1, dtype=torch.int32)
+        self._non_stop = torch.full((words,), -1, dtype=torch.int32)
+        """All tokens but the stop tokens: a complete grammar allowing none of them is over."""
+        for token in params.eos_token_ids:
+            if 0 <= token < params.vocab_size:
+                self._non_stop[token // 32] &= ~(1 << (token % 32))
 
     def compile(self, spec: StructuredOutput) -> concurrent.futures.Future[Any]:
         """The compiled grammar for ``spec``, as a future (done at once on a cache hit).
@@ -245,6 +285,22 @@ class GrammarBackend:
                     break  # never drop a compile in flight
                 del self._cache[oldest]
             return future
+
+    def matcher(self, compiled: Any) -> XGrammarMatcher:
+        import xgrammar as xgr
+
+        matcher = xgr.GrammarMatcher(compiled, max_rollback_tokens=-1)
+        return XGrammarMatcher(matcher, self._non_stop, self._scratch)
+
+    def apply_bitmask(
+        self, logits: torch.Tensor, bitmask: torch.Tensor, indices: Sequence[int]
+    ) -> None:
+        """XGrammar's fused kernel (CPU and CUDA)."""
+        import xgrammar as xgr
+
+        xgr.apply_token_bitmask_inplace(
+            logits, bitmask, vocab_size=self.params.vocab_size, indices=list(indices)
+        )
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -297,10 +353,6 @@ class GrammarBackend:
         import xgrammar as xgr
 
         checkpoint = self.params.checkpoint
-        if checkpoint is None and self.params.model_dir is not None:
-            from brigade.models.checkpoint import open_checkpoint
-
-            checkpoint = open_checkpoint(self.params.model_dir)
         tokenizer = checkpoint.tokenizer() if checkpoint is not None else None
         if tokenizer is None:
             raise ValueError("structured output needs the model's tokenizer; this engine has none")
@@ -375,138 +427,3 @@ def _describe(kind: str) -> str:
         "ebnf": "EBNF grammar",
         "structural_tag": "structural tag",
     }.get(kind, kind)
-
-
-class GrammarProcessor(LogitsProcessor):
-    """Masks constrained rows' logits to the tokens their grammar allows next."""
-
-    structured_output = True
-
-    def __init__(self, params: SamplerParams, backend: GrammarBackend) -> None:
-        import xgrammar as xgr
-
-        self.params = params
-        self.backend = backend
-        self._xgr = xgr
-        self._matchers: dict[int, Any] = {}
-        self._requests: dict[int, Request] = {}
-        self._preempted: dict[str, tuple[Request, Any, int]] = {}
-        """Preempted requests' matchers, with the output length they had accepted."""
-        # Host bitmask, one row per sampled row of a step: -1 (all allowed) unless filled.
-        self._bitmask = xgr.allocate_token_bitmask(params.max_num_seqs, params.vocab_size)
-        self._scratch = xgr.allocate_token_bitmask(1, params.vocab_size)
-        self._non_stop = torch.full_like(self._scratch[0], -1)
-        for token in params.eos_token_ids:
-            if 0 <= token < params.vocab_size:
-                self._non_stop[token // 32] &= ~(1 << (token % 32))
-        self._step: tuple[list[int], torch.Tensor] | None = None
-        self._finished: list[int] = []
-
-    # -- requests -----------------------------------------------------------------------
-
-    def prepare(self, params: SamplingParams) -> concurrent.futures.Future[Any] | None:
-        """Compile (or find in the cache) the request's grammar, off the step loop."""
-        spec = params.structured_output
-        return None if spec is None else self.backend.compile(spec)
-
-    def add(self, row: int, request: Request) -> None:
-        """The row's matcher: a preempted request's own, kept with its state, else a new one
-        that replays the tokens already emitted."""
-        spec = request.sampling_params.structured_output
-        if spec is None:
-            return
-        kept = self._preempted.pop(request.request_id, None)
-        if kept is not None and kept[2] == request.num_output_tokens:
-            self._matchers[row], self._requests[row] = kept[1], request
-            return
-        compiled = self.backend.compile(spec).result()  # ready: core gates until it is
-        matcher = self._xgr.GrammarMatcher(compiled, max_rollback_tokens=-1)
-        for token in request.output_token_ids:
-            if not matcher.accept_token(token):
-                raise RuntimeError(
-                    f"request {request.request_id!r}: emitted token {token} does not match "
-                    "its grammar"
-                )
-        self._matchers[row], self._requests[row] = matcher, request
-
-    def remove(self, row: int) -> None:
-        """Forget the row; a request leaving it unfinished (preempted) keeps its matcher."""
-        matcher = self._matchers.pop(row, None)
-        request = self._requests.pop(row, None)
-        if matcher is None or request is None:
-            return
-        # Requests that finished while preempted never come back: drop their matchers.
-        for request_id, (other, _, _) in list(self._preempted.items()):
-            if other.is_finished:
-                del self._preempted[request_id]
-        if not request.is_finished:
-            self._preempted[request.request_id] = (request, matcher, request.num_output_tokens)
-
-    @property
-    def is_active(self) -> bool:
-        return bool(self._matchers)
-
-    # -- the step -----------------------------------------------------------------------
-
-    def begin_step(self, rows: Sequence[int]) -> None:
-        """Fill the bitmasks of the constrained rows among ``rows`` and start their copy."""
-        matchers = self._matchers
-        indices = [index for index, row in enumerate(rows) if row in matchers]
-        if not indices:
-            self._step = None
-            return
-        bitmask = self._bitmask[: len(rows)]
-        for index in indices:
-            matchers[rows[index]].fill_next_token_bitmask(self._bitmask, index)
-        device = torch.device(self.params.device)
-        self._step = (indices, bitmask.to(device, non_blocking=True))
-
-    def apply(self, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """Set disallowed tokens of the constrained rows to -inf, in one call."""
-        if self._step is None:
-            return logits
-        indices, bitmask = self._step
-        self._step = None
-        self._xgr.apply_token_bitmask_inplace(
-            logits, bitmask, vocab_size=self.params.vocab_size, indices=indices
-        )
-        return logits
-
-    def accept_batch(self, rows: Sequence[int], token_ids: Sequence[int]) -> None:
-        matchers = self._matchers
-        for row, token in zip(rows, token_ids, strict=True):
-            matcher = matchers.get(row)
-            if matcher is None:
-                continue
-            if not matcher.accept_token(token):
-                # Only reachable if another stage or the sampler ignored the mask: end the
-                # row rather than let it continue unconstrained.
-                logger.error("row %d: token %d rejected by its grammar; finishing it", row, token)
-                self._finished.append(row)
-            elif matcher.is_terminated():
-                # It took a stop token. Core finishes on EOS anyway, unless ignore_eos: the
-                # grammar is over either way.
-                self._finished.append(row)
-            elif matcher.is_completed() and not self._can_continue(matcher):
-                self._finished.append(row)
-
-    def finished_rows(self) -> Sequence[int]:
-        finished, self._finished = self._finished, []
-        return finished
-
-    def accept(self, row: int, token_ids: Sequence[int]) -> None:
-        matcher = self._matchers.get(row)
-        if matcher is not None:
-            for token in token_ids:
-                matcher.accept_token(token)
-
-    def rollback(self, row: int, num_tokens: int) -> None:
-        """Undo the row's last ``num_tokens`` accepted tokens."""
-        matcher = self._matchers.get(row)
-        if matcher is not None and num_tokens:
-            matcher.rollback(num_tokens)
-
-    def _can_continue(self, matcher: Any) -> bool:
-        """Whether the grammar allows any token other than a stop token next."""
-        matcher.fill_next_token_bitmask(self._scratch, 0)
-        return bool((self._scratch[0] & self._non_stop).any())

@@ -1,0 +1,1 @@
+"""Built-in grammar backends (the structured-output station)."""
