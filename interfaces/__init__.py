@@ -24,6 +24,7 @@ differs or its MINOR part is newer than Brigade's.
 from brigade.interfaces.attention import AttentionBackend, AttentionLayer, PageSizeRule
 from brigade.interfaces.batch import ModelInput
 from brigade.interfaces.detokenizer import Detokenizer, TextDelta
+from brigade.interfaces.errors import BrigadeError, ConfigError, ModelLoadError, RequestError
 from brigade.interfaces.executor import Executor, ExecutorParams, KVCacheSpec
 from brigade.interfaces.hookspecs import BrigadeHookSpec, ComponentRegistry, hookimpl
 from brigade.interfaces.kv import Allocation, KVManager, KVPoolParams, KVStats
@@ -87,10 +88,12 @@ __all__ = [
     "Allocation",
     "AttentionBackend",
     "AttentionLayer",
+    "BrigadeError",
     "BrigadeHookSpec",
     "CausalLM",
     "Checkpoint",
     "ComponentRegistry",
+    "ConfigError",
     "Detokenizer",
     "Executor",
     "ExecutorParams",
@@ -102,9 +105,11 @@ __all__ = [
     "LogitsProcessor",
     "ModelArchitecture",
     "ModelInput",
+    "ModelLoadError",
     "NoOptions",
     "PageSizeRule",
     "Request",
+    "RequestError",
     "RequestStatus",
     "SampleOutput",
     "Sampler",
