@@ -19,6 +19,9 @@ kind               contract                             factory is called as
 :data:`API_VERSION` versions these contracts. A plugin may declare the version it was built
 for (``registry.add(..., api_version="1.0")``); Brigade refuses it at load if the MAJOR part
 differs or its MINOR part is newer than Brigade's.
+
+A plugin imports from Brigade only these contracts (errors included) and the few modules of
+:data:`PUBLIC_MODULES`; everything else in ``brigade`` is core's and may change without notice.
 """
 
 from brigade.interfaces.attention import AttentionBackend, AttentionLayer, PageSizeRule
@@ -79,11 +82,25 @@ FACTORY_ARGUMENTS: dict[str, tuple[str, ...]] = {
 }
 """How core calls each kind's factory (positional arguments, in order)."""
 
+PUBLIC_MODULES: tuple[str, ...] = (
+    "brigade.interfaces",
+    "brigade.testing",
+    "brigade.cache",
+    "brigade.model_input",
+)
+"""What a plugin may import from Brigade (each with its submodules): the contracts, the
+conformance kit for its own tests, ``cache_root()`` for what it builds once (compiled kernels),
+and ``build_model_input``, the reference builder of a :class:`ModelInput` (warm-up steps,
+backend tests). Built-in plugins may also import each other (``brigade.plugins``); anything
+else a plugin needs, core hands it in the factory's params. ``tests/test_plugin_imports.py``
+holds the built-ins and the example plugin to this."""
+
 __all__ = [
     "API_VERSION",
     "COMPONENT_KINDS",
     "EMPTY_EXTRA",
     "FACTORY_ARGUMENTS",
+    "PUBLIC_MODULES",
     "STRUCTURED_OUTPUT_KINDS",
     "Allocation",
     "AttentionBackend",
