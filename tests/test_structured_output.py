@@ -790,6 +790,7 @@ def grammar_stage(llm: LLM) -> tuple[GrammarBackend, GrammarProcessor]:
         "cpu",
         model_dir=str(engine.model_dir),
         eos_token_ids=tuple(sorted(engine.eos_token_ids)),
+        checkpoint=engine.checkpoint,
     )
     backend = GrammarBackend(params)
     return backend, GrammarProcessor(params, backend)

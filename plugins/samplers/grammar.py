@@ -297,10 +297,6 @@ class GrammarBackend:
         import xgrammar as xgr
 
         checkpoint = self.params.checkpoint
-        if checkpoint is None and self.params.model_dir is not None:
-            from brigade.models.checkpoint import open_checkpoint
-
-            checkpoint = open_checkpoint(self.params.model_dir)
         tokenizer = checkpoint.tokenizer() if checkpoint is not None else None
         if tokenizer is None:
             raise ValueError("structured output needs the model's tokenizer; this engine has none")
