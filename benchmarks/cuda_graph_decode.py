@@ -30,6 +30,7 @@ import torch
 
 from brigade.interfaces import Executor, ExecutorParams
 from brigade.model_input import SeqChunk, build_model_input
+from brigade.models.checkpoint import open_checkpoint
 from brigade.models.create import create_model
 from brigade.plugins.attention.triton_backend import TritonBackend
 from brigade.plugins.executors.cuda_graph import CudaGraphExecutor, CudaGraphExecutorOptions
@@ -147,6 +148,7 @@ def main() -> None:
                 page_size=PAGE_SIZE,
                 kv_cache_dtype="auto",
                 max_model_len=args.context + args.warmup + args.steps + 16,
+                checkpoint=open_checkpoint(str(model)),
             )
             executor: Executor
             started = time.perf_counter()

@@ -12,15 +12,16 @@ choice; the two runs are made to generate exactly the same tokens per request in
 3. ``unconstrained``: the same prompts, every request unconstrained with EOS ignored; request
    ``i`` of the constrained half asks for exactly ``L_i`` tokens.
 
-Both runs drive ``EngineCore`` directly with the same stations (core's grammar station over
-the ``xgrammar`` backend is idle without constrained rows). The clock starts once every request has its first token,
-so prefill is left out: decode tok/s = tokens generated after that / time after that. Grammars
-are compiled (and cached) before any timed run; the cold compile time is printed separately.
-The two timed runs alternate ``--repeats`` times; the table keeps the best of each, and the
-ratio of every back-to-back pair is printed too (on a shared machine the noise between runs
-can exceed the overhead; the grammar stage's own time is the steadier figure). The grammar
-stage's methods (``begin_step``, ``apply``, ``accept_batch``, ``finished_rows``, ``add``) are
-wrapped with timers during the mixed runs to show where its time goes per decode step.
+Both runs drive ``EngineCore`` directly with the same stations (core's grammar station over the
+``xgrammar`` backend is idle without constrained rows). The clock starts once every request has
+its first token, so prefill is left out: decode tok/s = tokens generated after that / time
+after that. Grammars are compiled (and cached) before any timed run; the cold compile time is
+printed separately. The two timed runs alternate ``--repeats`` times; the table keeps the best
+of each, and the ratio of every back-to-back pair is printed too (on a shared machine the noise
+between runs can exceed the overhead; the grammar stage's own time is the steadier figure). The
+grammar stage's methods (``begin_step``, ``apply``, ``accept_batch``, ``finished_rows``,
+``add``) are wrapped with timers during the mixed runs to show where its time goes per decode
+step.
 
     python benchmarks/structured_output.py --model-size tiny
     python benchmarks/structured_output.py --model-size small --repeats 2

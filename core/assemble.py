@@ -66,7 +66,13 @@ def open_model(config: EngineConfig) -> Checkpoint:
 def build_executor(
     config: EngineConfig, registry: Registry, checkpoint: Checkpoint | None = None
 ) -> ModelPath:
-    """Create the attention backend and executor, load weights, allocate the KV pool."""
+    """Create the attention backend and executor, load weights, allocate the KV pool.
+
+    The executor reads the model through ``checkpoint`` (opened here when not given) and gets
+    ``[model] dtype`` resolved against its config, so it opens and parses nothing itself.
+    """
+    from brigade.models.loader import resolve_dtype_name
+
     checkpoint = checkpoint or open_model(config)
     architecture = model_architecture(checkpoint, registry)
     attention_station = config["attention"]
@@ -77,7 +83,7 @@ def build_executor(
     kv = config["kv"].settings
     params = ExecutorParams(
         model_path=checkpoint.path,
-        dtype=model.dtype,
+        dtype=resolve_dtype_name(model.dtype, checkpoint.config),
         attention=attention,
         page_size=kv.page_size,
         kv_cache_dtype=kv.cache_dtype,

@@ -1,6 +1,12 @@
-"""Errors a user can cause: each says what was wrong and what is allowed."""
+"""Errors a user can cause: each says what was wrong and what is allowed.
+
+The ones plugins raise too (``BrigadeError``, ``ConfigError``, ``ModelLoadError``,
+``RequestError``) are defined in ``brigade.interfaces.errors`` and are the same classes here.
+"""
 
 from __future__ import annotations
+
+from brigade.interfaces.errors import BrigadeError, ConfigError, ModelLoadError, RequestError
 
 __all__ = [
     "BrigadeError",
@@ -13,14 +19,6 @@ __all__ = [
     "RequestFailedError",
     "UnknownComponentError",
 ]
-
-
-class BrigadeError(Exception):
-    """Base class of every error Brigade raises on purpose."""
-
-
-class ConfigError(BrigadeError, ValueError):
-    """A config file, table, key or value is not allowed."""
 
 
 class DuplicateComponentError(BrigadeError):
@@ -38,17 +36,6 @@ class UnknownComponentError(BrigadeError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
-class RequestError(BrigadeError, ValueError):
-    """A request the engine cannot serve (bad prompt, parameters out of range, too long).
-
-    ``param`` names the request field at fault (``prompt``, ``temperature``, ...) when one is.
-    """
-
-    def __init__(self, message: str, *, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-
-
 class RequestFailedError(BrigadeError):
     """A request the engine accepted failed on its own: a plugin raised for it, or its
     sampling was undefined. The message names the cause; other requests were not affected."""
@@ -57,7 +44,3 @@ class RequestFailedError(BrigadeError):
 class EngineDeadError(BrigadeError):
     """The engine can no longer run steps (a failure no single request explains, twice in a
     row); every request in it has failed. The server exits so that a supervisor restarts it."""
-
-
-class ModelLoadError(BrigadeError, ValueError):
-    """A model directory is missing, incomplete, corrupt or of an unsupported architecture."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from brigade.models.loader import resolve_dtype
+from brigade.models.loader import resolve_dtype_name
 from brigade.options import option_defaults
 from brigade.version import installed_version
 
@@ -48,7 +48,7 @@ def startup_banner(engine: EngineCore) -> str:
     checkpoint = engine.checkpoint
     model = config["model"].settings
     kv_settings = config["kv"].settings
-    dtype = _dtype_name(resolve_dtype(model.dtype, checkpoint.config))
+    dtype = resolve_dtype_name(model.dtype, checkpoint.config)
     cache_dtype = dtype if kv_settings.cache_dtype == "auto" else kv_settings.cache_dtype
     kv = engine.kv.stats()
     spec = engine.executor.kv_cache_spec()
@@ -82,7 +82,3 @@ def _config_line(source: str, changed: list[str]) -> str:
     if not changed:
         return "built-in defaults" if source == "(defaults)" else f"{source}: all defaults"
     return f"{source}; changed: {', '.join(changed)}"
-
-
-def _dtype_name(dtype: Any) -> str:
-    return str(dtype).removeprefix("torch.")

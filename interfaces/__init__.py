@@ -21,11 +21,15 @@ kind               contract                             factory is called as
 for (``registry.add(..., api_version="2.0")``); Brigade refuses it at load if the MAJOR part
 differs or its MINOR part is newer than Brigade's. A plugin built for 1.x is refused with a
 pointer to the migration section of docs/plugins.md ("Migrating a 1.x plugin to 2.0").
+
+A plugin imports from Brigade only these contracts (errors included) and the few modules of
+:data:`PUBLIC_MODULES`; everything else in ``brigade`` is core's and may change without notice.
 """
 
 from brigade.interfaces.attention import AttentionBackend, AttentionLayer, PageSizeRule
 from brigade.interfaces.batch import ModelInput
 from brigade.interfaces.detokenizer import Detokenizer, TextDelta
+from brigade.interfaces.errors import BrigadeError, ConfigError, ModelLoadError, RequestError
 from brigade.interfaces.executor import Executor, ExecutorParams, KVCacheSpec
 from brigade.interfaces.grammar import GrammarBackend, GrammarMatcher, GrammarParams
 from brigade.interfaces.hookspecs import BrigadeHookSpec, ComponentRegistry, hookimpl
@@ -84,19 +88,35 @@ FACTORY_ARGUMENTS: dict[str, tuple[str, ...]] = {
 }
 """How core calls each kind's factory (positional arguments, in order)."""
 
+PUBLIC_MODULES: tuple[str, ...] = (
+    "brigade.interfaces",
+    "brigade.testing",
+    "brigade.cache",
+    "brigade.model_input",
+)
+"""What a plugin may import from Brigade (each with its submodules): the contracts, the
+conformance kit for its own tests, ``cache_root()`` for what it builds once (compiled kernels),
+and ``build_model_input``, the reference builder of a :class:`ModelInput` (warm-up steps,
+backend tests). Built-in plugins may also import each other (``brigade.plugins``); anything
+else a plugin needs, core hands it in the factory's params. ``tests/test_plugin_imports.py``
+holds the built-ins and the example plugin to this."""
+
 __all__ = [
     "API_VERSION",
     "COMPONENT_KINDS",
     "EMPTY_EXTRA",
     "FACTORY_ARGUMENTS",
+    "PUBLIC_MODULES",
     "STRUCTURED_OUTPUT_KINDS",
     "Allocation",
     "AttentionBackend",
     "AttentionLayer",
+    "BrigadeError",
     "BrigadeHookSpec",
     "CausalLM",
     "Checkpoint",
     "ComponentRegistry",
+    "ConfigError",
     "Detokenizer",
     "Executor",
     "ExecutorParams",
@@ -111,9 +131,11 @@ __all__ = [
     "LogitsProcessor",
     "ModelArchitecture",
     "ModelInput",
+    "ModelLoadError",
     "NoOptions",
     "PageSizeRule",
     "Request",
+    "RequestError",
     "RequestStatus",
     "SampleOutput",
     "Sampler",

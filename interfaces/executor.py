@@ -14,7 +14,10 @@ if TYPE_CHECKING:
     from brigade.interfaces.batch import ModelInput
     from brigade.interfaces.model import Checkpoint
 
-__all__ = ["Executor", "ExecutorParams", "KVCacheSpec"]
+__all__ = ["DTYPE_NAMES", "Executor", "ExecutorParams", "KVCacheSpec"]
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+"""The dtypes a model and its KV cache run in, by torch's names (``getattr(torch, name)``)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -25,19 +28,21 @@ class ExecutorParams:
     """Where the model's files are (a Hugging Face directory or a GGUF file); read them
     through :attr:`checkpoint`."""
     dtype: str
-    """'auto' (the checkpoint's), 'float32', 'bfloat16' or 'float16'."""
+    """The model's dtype, one of :data:`DTYPE_NAMES`: core resolves ``[model] dtype = "auto"``
+    to the checkpoint's own (API 2.0: before, an executor could be given 'auto')."""
     attention: AttentionBackend
     page_size: int
     kv_cache_dtype: str
-    """'auto' (same as the model) or a dtype name."""
+    """'auto' (same as the model) or one of :data:`DTYPE_NAMES`."""
     max_model_len: int
     """0 = the model's max_position_embeddings."""
     seed: int = 0
     model_factory: Any = None
     """The ``ModelArchitecture`` for the checkpoint's ``architectures`` name, chosen by core."""
-    checkpoint: Checkpoint | None = None
-    """The opened model (config, weights); core always sets it (API 1.2). None only when a
-    test builds params by hand: the built-in executors then open ``model_path`` themselves."""
+    checkpoint: Checkpoint = dataclasses.field(kw_only=True)
+    """The opened model: its parsed config and its weights. Core opens the model once and
+    hands every station this same object, so an executor never opens files itself (API 1.2;
+    required in API 2.0: before, params a test built by hand could leave it out)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from brigade.interfaces import ExecutorParams, ModelInput, NoOptions, Request, SamplerParams
+from brigade.models.checkpoint import open_checkpoint
 from brigade.models.create import create_model
 from brigade.options import build_options
 from brigade.plugins.attention.sdpa import SdpaBackend, SdpaMetadata
@@ -86,6 +87,7 @@ def test_executor_conforms(component: Component, tiny_llama: Path) -> None:
             page_size=4,
             kv_cache_dtype="auto",
             max_model_len=0,
+            checkpoint=open_checkpoint(str(tiny_llama)),
         ),
         TorchExecutorOptions(device="cpu"),
     )

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+import threading
+from pathlib import Path
 
 import pytest
 import torch
 
 from brigade.plugins.attention import cpu_kernels
-from brigade.plugins.attention.cpu_kernels import paged_decode_kernel
+from brigade.plugins.attention.cpu_kernels import exclusive_build, paged_decode_kernel
 
 
 def _paged_case(
@@ -116,3 +118,24 @@ def test_a_kernel_that_cannot_be_built_is_reported_once_and_none_returned(
     warnings = [r for r in caplog.records if "could not be built" in r.getMessage()]
     assert len(warnings) == 1
     assert "c++: command not found" in warnings[0].getMessage()
+
+
+def test_a_build_killed_midway_does_not_hang_the_next_one(tmp_path: Path) -> None:
+    # torch's load() waits forever on a `lock` file a killed build left behind.
+    stale = tmp_path / "lock"
+    stale.touch()
+    with exclusive_build(tmp_path):
+        assert not stale.exists()
+    done = threading.Event()
+
+    def hold_then_build() -> None:
+        with exclusive_build(tmp_path):
+            done.set()
+
+    with exclusive_build(tmp_path):  # another process builds: the next one waits its turn
+        worker = threading.Thread(target=hold_then_build)
+        worker.start()
+        worker.join(timeout=0.5)
+        assert not done.is_set(), "a second build did not wait for the first"
+    worker.join(timeout=10)
+    assert done.is_set()

@@ -11,14 +11,17 @@ more in tests/test_piecewise.py) against the eager executor in the triton interp
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from brigade.errors import ConfigError
-from brigade.interfaces import AttentionBackend, ExecutorParams, ModelInput, NoOptions
+from brigade.interfaces import AttentionBackend, Checkpoint, ExecutorParams, ModelInput, NoOptions
 from brigade.model_input import SeqChunk, build_model_input
+from brigade.models.checkpoint import open_checkpoint
 from brigade.models.create import create_model
 from brigade.options import build_options
 from brigade.plugins.attention.sdpa import SdpaBackend
@@ -169,9 +172,32 @@ def test_selecting_it_without_cuda_is_a_clear_error(tmp_path: Path) -> None:
         page_size=PAGE,
         kv_cache_dtype="auto",
         max_model_len=0,
+        checkpoint=UnreadCheckpoint(),
     )
     with pytest.raises(RuntimeError, match="use executor plugin 'torch'"):
         CudaGraphExecutor(params, CudaGraphExecutorOptions())
+
+
+class UnreadCheckpoint(Checkpoint):
+    """A model that fails the test when any part of it is read."""
+
+    path = format = name = "never-read"
+
+    @property
+    def config(self) -> Mapping[str, Any]:
+        raise AssertionError("the config was read")
+
+    def weights(
+        self, dtype: torch.dtype, device: torch.device | str
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        raise AssertionError("the weights were read")
+
+    def tokenizer(self) -> Any:
+        raise AssertionError("the tokenizer was read")
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        raise AssertionError("the EOS ids were read")
 
 
 class CpuGraphExecutor(CudaGraphExecutor):
@@ -204,6 +230,7 @@ def test_imitated_replay_matches_eager_on_cpu(tmp_path: Path) -> None:
             page_size=PAGE,
             kv_cache_dtype="auto",
             max_model_len=64,
+            checkpoint=open_checkpoint(str(model)),
         )
 
     eager = TorchExecutor(params(), TorchExecutorOptions(device="cpu"))
@@ -276,6 +303,7 @@ def executors(
             page_size=PAGE,
             kv_cache_dtype="auto",
             max_model_len=256,
+            checkpoint=open_checkpoint(str(model)),
         )
 
     eager = TorchExecutor(params(), TorchExecutorOptions(device="cuda"))

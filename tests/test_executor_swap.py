@@ -7,6 +7,7 @@ import torch
 
 from brigade.interfaces import ExecutorParams, NoOptions
 from brigade.model_input import SeqChunk, build_model_input
+from brigade.models.checkpoint import open_checkpoint
 from brigade.models.create import create_model
 from brigade.plugins.attention.sdpa import SdpaBackend
 from brigade.plugins.executors.torch_executor import TorchExecutor, TorchExecutorOptions
@@ -24,6 +25,7 @@ def executor(tmp_path_factory: pytest.TempPathFactory) -> TorchExecutor:
         page_size=PAGE,
         kv_cache_dtype="auto",
         max_model_len=0,
+        checkpoint=open_checkpoint(str(model)),
     )
     executor = TorchExecutor(params, TorchExecutorOptions(device="cpu"))
     executor.initialize_kv_cache(8, num_host_pages=4)

@@ -14,7 +14,8 @@ from safetensors.torch import load_file, save_file
 from brigade.errors import ModelLoadError
 from brigade.interfaces import ExecutorParams, NoOptions
 from brigade.model_input import SeqChunk, build_model_input
-from brigade.models.loader import iter_safetensors, read_hf_config, resolve_dtype
+from brigade.models.checkpoint import open_checkpoint
+from brigade.models.loader import iter_safetensors, read_hf_config, resolve_dtype_name
 from brigade.plugins.attention.sdpa import SdpaBackend
 from brigade.plugins.executors.torch_executor import TorchExecutor, TorchExecutorOptions
 from brigade.plugins.models.architectures import ARCHITECTURES
@@ -30,6 +31,7 @@ def load(directory: Path, dtype: str = "float32", **params: Any) -> TorchExecuto
             dtype=dtype,
             attention=SdpaBackend(NoOptions()),
             **{**settings, **params},
+            checkpoint=open_checkpoint(str(directory)),
         ),
         TorchExecutorOptions(device="cpu"),
     )
@@ -164,15 +166,15 @@ def test_float32_and_bfloat16_models(llama_dir: Path) -> None:
     torch.testing.assert_close(half_logits, full_logits, atol=0.25, rtol=0)
 
 
-def test_resolve_dtype() -> None:
-    assert resolve_dtype("auto", {"dtype": "bfloat16"}) == torch.bfloat16
-    assert resolve_dtype("auto", {"torch_dtype": "float16"}) == torch.float16
-    assert resolve_dtype("auto", {}) == torch.float32
-    assert resolve_dtype("bfloat16", {"dtype": "float32"}) == torch.bfloat16
+def test_resolve_dtype_name() -> None:
+    assert resolve_dtype_name("auto", {"dtype": "bfloat16"}) == "bfloat16"
+    assert resolve_dtype_name("auto", {"torch_dtype": "torch.float16"}) == "float16"
+    assert resolve_dtype_name("auto", {}) == "float32"
+    assert resolve_dtype_name("bfloat16", {"dtype": "float32"}) == "bfloat16"
     with pytest.raises(ValueError, match="allowed: auto, float32, bfloat16, float16"):
-        resolve_dtype("fp8", {})
+        resolve_dtype_name("fp8", {})
     with pytest.raises(ModelLoadError, match="torch_dtype='int8'"):
-        resolve_dtype("auto", {"torch_dtype": "int8"})
+        resolve_dtype_name("auto", {"torch_dtype": "int8"})
 
 
 @pytest.mark.parametrize(
@@ -225,11 +227,24 @@ def test_qwen_layer_types_refusal() -> None:
 def test_executor_misuse_is_explained(llama_dir: Path) -> None:
     with pytest.raises(ValueError, match="allowed: auto, cpu, cuda, cuda:N"):
         TorchExecutor(
-            ExecutorParams(str(llama_dir), "float32", SdpaBackend(NoOptions()), 4, "auto", 0),
+            ExecutorParams(
+                str(llama_dir),
+                "float32",
+                SdpaBackend(NoOptions()),
+                4,
+                "auto",
+                0,
+                checkpoint=open_checkpoint(str(llama_dir)),
+            ),
             TorchExecutorOptions(device="tpu"),
         )
     with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings 128"):
         load(llama_dir, max_model_len=4096)
+    # Core resolves [model] dtype = "auto" before it builds the params.
+    with pytest.raises(ValueError, match="dtype 'auto' is not supported; allowed: float32,"):
+        load(llama_dir, dtype="auto")
+    with pytest.raises(ValueError, match=r"kv_cache_dtype 'int8' .* allowed: auto, float32,"):
+        load(llama_dir, kv_cache_dtype="int8")
     executor = load(llama_dir)
     with pytest.raises(RuntimeError, match="already called"):
         executor.initialize_kv_cache(8)

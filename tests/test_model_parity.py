@@ -20,6 +20,7 @@ from safetensors import safe_open
 
 from brigade.interfaces import ExecutorParams, NoOptions
 from brigade.model_input import SeqChunk, build_model_input
+from brigade.models.checkpoint import open_checkpoint
 from brigade.plugins.attention.sdpa import SdpaBackend, SdpaOptions
 from brigade.plugins.executors.torch_executor import TorchExecutor, TorchExecutorOptions
 from brigade.plugins.models.rope import parse_rope_config, rope_cos_sin
@@ -163,6 +164,7 @@ def make_executor(
         page_size=PAGE_SIZE,
         kv_cache_dtype="auto",
         max_model_len=0,
+        checkpoint=open_checkpoint(str(directory)),
     )
     executor = TorchExecutor(
         params,
@@ -380,6 +382,7 @@ def test_cuda_executor_matches_transformers(hf_model_dir: Callable[..., Any]) ->
         page_size=PAGE_SIZE,
         kv_cache_dtype="auto",
         max_model_len=0,
+        checkpoint=open_checkpoint(str(directory)),
     )
     executor = TorchExecutor(params, TorchExecutorOptions(device="cuda"))
     executor.initialize_kv_cache(NUM_PAGES)

@@ -30,6 +30,7 @@ from brigade.interfaces import (
     option,
 )
 from brigade.model_input import SeqChunk, build_model_input
+from brigade.models.checkpoint import open_checkpoint
 from brigade.models.create import create_model
 from brigade.options import build_options
 from brigade.plugins.attention.sdpa import SdpaBackend
@@ -66,6 +67,7 @@ def params(model: Path, backend: AttentionBackend | None = None) -> ExecutorPara
         page_size=PAGE,
         kv_cache_dtype="auto",
         max_model_len=96,
+        checkpoint=open_checkpoint(str(model)),
     )
 
 

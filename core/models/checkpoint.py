@@ -218,6 +218,7 @@ class HFCheckpoint(_FileCheckpoint):
         self.name = name or directory.name
         self._chat_template = chat_template
         self._config = read_hf_config(directory)
+        self._generation: dict[str, Any] | None = None
         self._eos_token_ids: frozenset[int] | None = None
 
     @property
@@ -255,6 +256,12 @@ class HFCheckpoint(_FileCheckpoint):
         return _sampling_fields(self._generation_config(), self.directory / GENERATION_CONFIG)
 
     def _generation_config(self) -> dict[str, Any]:
+        """``generation_config.json`` (``{}`` when there is none), read on the first call."""
+        if self._generation is None:
+            self._generation = self._read_generation_config()
+        return self._generation
+
+    def _read_generation_config(self) -> dict[str, Any]:
         file = self.directory / GENERATION_CONFIG
         if not file.is_file():
             return {}

@@ -16,14 +16,17 @@ import torch
 from safetensors import safe_open
 
 from brigade.errors import ModelLoadError
+from brigade.interfaces.executor import DTYPE_NAMES
 
-__all__ = ["DTYPES", "iter_safetensors", "read_hf_config", "resolve_dtype", "weight_files"]
+__all__ = [
+    "DTYPES",
+    "iter_safetensors",
+    "read_hf_config",
+    "resolve_dtype_name",
+    "weight_files",
+]
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_NAMES}
 """Model dtype names a config may give, and their torch dtypes."""
 
 _INDEX_FILE = "model.safetensors.index.json"
@@ -132,8 +135,8 @@ def iter_safetensors(
                 yield name, tensor.to(device)
 
 
-def resolve_dtype(name: str, hf_config: Mapping[str, Any]) -> torch.dtype:
-    """The model dtype for ``[model] dtype`` = ``name``.
+def resolve_dtype_name(name: str, hf_config: Mapping[str, Any]) -> str:
+    """The model dtype's name for ``[model] dtype`` = ``name``: a key of :data:`DTYPES`.
 
     ``"auto"`` takes config.json's ``dtype`` (or the older ``torch_dtype``) and falls back to
     float32 when neither is set; otherwise ``name`` is one of :data:`DTYPES`.
@@ -141,7 +144,7 @@ def resolve_dtype(name: str, hf_config: Mapping[str, Any]) -> torch.dtype:
     if name != "auto":
         if name not in DTYPES:
             raise ValueError(f"dtype {name!r} is not supported; allowed: auto, {', '.join(DTYPES)}")
-        return DTYPES[name]
+        return name
     for key in ("dtype", "torch_dtype"):
         value = hf_config.get(key)
         if value is None:
@@ -152,5 +155,5 @@ def resolve_dtype(name: str, hf_config: Mapping[str, Any]) -> torch.dtype:
                 f"config.json {key}={value!r} is not a supported model dtype; allowed: "
                 f"{', '.join(DTYPES)} (or set [model] dtype explicitly)"
             )
-        return DTYPES[value]
-    return torch.float32
+        return value
+    return "float32"

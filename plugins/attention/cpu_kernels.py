@@ -12,12 +12,14 @@ attention then takes its portable path.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,7 @@ import torch
 
 from brigade.cache import cache_root
 
-__all__ = ["cpu_ops", "paged_decode_kernel"]
+__all__ = ["cpu_ops", "exclusive_build", "paged_decode_kernel"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,21 +52,44 @@ def _cache_dir() -> Path:
     return cache_root() / "extensions" / f"cpu_paged-{key}"
 
 
+@contextlib.contextmanager
+def exclusive_build(directory: Path) -> Iterator[None]:
+    """Hold the build directory against other processes for one build.
+
+    torch's ``load`` guards a build with a ``lock`` file that only the builder deletes: a
+    build killed midway (Ctrl-C during a first start) leaves it behind, and every later
+    ``load`` of that directory waits for it forever, silently. Brigade's builds take an OS
+    lock first, which dies with its process; whoever holds it is the only one building, so
+    a ``lock`` file found then is stale and removed.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "brigade-build.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = directory / "lock"
+            if stale.exists():
+                logger.warning("removing %s, left by a build that did not finish", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def _build() -> Any:
     from torch.utils.cpp_extension import load
 
     directory = _cache_dir()
-    directory.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    load(
-        name="brigade_cpu_paged",
-        sources=[str(source) for source in _SOURCES],
-        build_directory=str(directory),
-        extra_cflags=_CFLAGS,
-        extra_ldflags=["-fopenmp"],
-        is_python_module=False,  # registers torch.ops.brigade_cpu
-        verbose=False,
-    )
+    with exclusive_build(directory):
+        load(
+            name="brigade_cpu_paged",
+            sources=[str(source) for source in _SOURCES],
+            build_directory=str(directory),
+            extra_cflags=_CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,  # registers torch.ops.brigade_cpu
+            verbose=False,
+        )
     elapsed = time.perf_counter() - started
     if elapsed > 2:
         logger.info("built the CPU kernels in %.1f s (cached in %s)", elapsed, directory)

@@ -1,11 +1,11 @@
 """The ``simulated`` executor: no weights, a roofline cost model and a virtual clock.
 
-It reads only the model's shape from ``config.json``, charges each step the time a named GPU
-would need (see ``docs/simulator.md``) to :meth:`SimulatedExecutor.modelled_time_s` instead of
-sleeping (``models_time``: the simulator's virtual clock advances by it), and returns token ids
-directly (``returns_token_ids``), so the real scheduler and KV manager run at datacenter scale
-on a CPU. Output lengths come from the workload: requests run to ``max_tokens`` with
-``ignore_eos``.
+It reads only the model's shape from its config (``params.checkpoint.config``), charges each
+step the time a named GPU would need (see ``docs/simulator.md``) to
+:meth:`SimulatedExecutor.modelled_time_s` instead of sleeping (``models_time``: the simulator's
+virtual clock advances by it), and returns token ids directly (``returns_token_ids``), so the
+real scheduler and KV manager run at datacenter scale on a CPU. Output lengths come from the
+workload: requests run to ``max_tokens`` with ``ignore_eos``.
 """
 
 from __future__ import annotations
@@ -18,9 +18,15 @@ from typing import Any, ClassVar
 
 import torch
 
-from brigade.errors import ConfigError, ModelLoadError
-from brigade.interfaces import Executor, ExecutorParams, KVCacheSpec, ModelInput, option
-from brigade.models.loader import read_hf_config
+from brigade.interfaces import (
+    ConfigError,
+    Executor,
+    ExecutorParams,
+    KVCacheSpec,
+    ModelInput,
+    ModelLoadError,
+    option,
+)
 
 __all__ = [
     "GPUS",
@@ -219,9 +225,7 @@ class SimulatedExecutor(Executor):
 
     def __init__(self, params: ExecutorParams, options: SimulatedExecutorOptions) -> None:
         self.params = params
-        hf_config = (
-            params.checkpoint.config if params.checkpoint else read_hf_config(params.model_path)
-        )
+        hf_config = params.checkpoint.config
         try:
             self.shape = ModelShape.from_hf_config(hf_config)
         except ValueError as exc:

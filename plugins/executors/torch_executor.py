@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from brigade.errors import ModelLoadError
 from brigade.interfaces import (
     CausalLM,
     Executor,
@@ -20,12 +19,12 @@ from brigade.interfaces import (
     KVCacheSpec,
     ModelArchitecture,
     ModelInput,
+    ModelLoadError,
     SplitCausalLM,
     option,
 )
+from brigade.interfaces.executor import DTYPE_NAMES
 from brigade.model_input import SeqChunk, build_model_input
-from brigade.models.checkpoint import open_checkpoint
-from brigade.models.loader import DTYPES, resolve_dtype
 from brigade.plugins.executors.cpu_gemm import use_onednn_linears
 from brigade.plugins.models.decoder import CpuFusion
 
@@ -124,13 +123,15 @@ class TorchExecutor(Executor):
             torch.set_num_threads(options.num_threads)  # process-wide, as torch allows
         self.attention = params.attention
         self.attention.check_device(str(self.device))
-        checkpoint = params.checkpoint or open_checkpoint(params.model_path)
+        checkpoint = params.checkpoint
         hf_config = dict(checkpoint.config)
         architecture = params.model_factory or _architecture_for(hf_config, params.model_path)
         architecture.validate_config(hf_config)
-        self.dtype = resolve_dtype(params.dtype, hf_config)
+        self.dtype = _named_dtype("dtype", params.dtype)
         self.kv_cache_dtype = (
-            self.dtype if params.kv_cache_dtype == "auto" else _named_dtype(params.kv_cache_dtype)
+            self.dtype
+            if params.kv_cache_dtype == "auto"
+            else _named_dtype("kv_cache_dtype", params.kv_cache_dtype)
         )
         self.max_model_len = _max_model_len(params.max_model_len, hf_config)
         self.model: CausalLM = architecture.build(
@@ -343,12 +344,13 @@ def _architecture_for(hf_config: dict[str, object], model_path: str) -> ModelArc
     )
 
 
-def _named_dtype(name: str) -> torch.dtype:
-    if name not in DTYPES:
-        raise ValueError(
-            f"kv_cache_dtype {name!r} is not supported; allowed: auto, {', '.join(DTYPES)}"
-        )
-    return DTYPES[name]
+def _named_dtype(field: str, name: str) -> torch.dtype:
+    """The torch dtype ``ExecutorParams.<field>`` names (core resolved the model's 'auto')."""
+    if name not in DTYPE_NAMES:
+        allowed = ("auto", *DTYPE_NAMES) if field == "kv_cache_dtype" else DTYPE_NAMES
+        raise ValueError(f"{field} {name!r} is not supported; allowed: {', '.join(allowed)}")
+    dtype: torch.dtype = getattr(torch, name)
+    return dtype
 
 
 def _max_model_len(requested: int, hf_config: dict[str, object]) -> int:

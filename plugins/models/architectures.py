@@ -7,8 +7,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from brigade.errors import ModelLoadError
-from brigade.interfaces import AttentionBackend, CausalLM, ModelArchitecture
+from brigade.interfaces import AttentionBackend, CausalLM, ModelArchitecture, ModelLoadError
 from brigade.plugins.models.config import Family, parse_decoder_config
 from brigade.plugins.models.decoder import DecoderForCausalLM
 

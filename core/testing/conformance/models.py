@@ -125,15 +125,24 @@ def check_executor(
     initialised with at least ``num_pages`` pages of ``page_size``. Checks the KV spec, a
     ragged prefill, decodes across page boundaries, repeatability and, when supported,
     ``copy_pages``. An executor with ``returns_token_ids`` (no logits, e.g. a simulator) is
-    checked for the token-id contract instead of logits parity.
+    checked for the token-id contract instead of logits parity. The executor gets its params
+    as core builds them: the model opened once (``params.checkpoint``) and its architecture
+    (``params.model_factory``) picked from the installed plugins.
     """
+    from brigade.assemble import model_architecture
+    from brigade.models.checkpoint import open_checkpoint
+    from brigade.registry import default_registry
+
+    checkpoint = open_checkpoint(str(model_dir))
     params = ExecutorParams(
-        model_path=str(model_dir),
+        model_path=checkpoint.path,
         dtype="float32",
         attention=_sdpa(),
         page_size=page_size,
         kv_cache_dtype="auto",
         max_model_len=0,
+        model_factory=model_architecture(checkpoint, default_registry()),
+        checkpoint=checkpoint,
     )
     executor = factory(params, options)
     spec = executor.kv_cache_spec()
@@ -187,19 +196,22 @@ def check_model_architecture(
     """
     from transformers import AutoModelForCausalLM
 
+    from brigade.models.checkpoint import open_checkpoint
     from brigade.plugins.executors.torch_executor import TorchExecutor, TorchExecutorOptions
 
     hf_model = AutoModelForCausalLM.from_pretrained(
         str(model_dir), dtype=torch.float32, attn_implementation="eager"
     ).eval()
+    checkpoint = open_checkpoint(str(model_dir))
     params = ExecutorParams(
-        model_path=str(model_dir),
+        model_path=checkpoint.path,
         dtype="float32",
         attention=_sdpa(),
         page_size=4,
         kv_cache_dtype="auto",
         max_model_len=0,
         model_factory=architecture,
+        checkpoint=checkpoint,
     )
     executor = TorchExecutor(params, TorchExecutorOptions(device="cpu"))
     executor.initialize_kv_cache(16)
