@@ -29,7 +29,8 @@ from brigade.interfaces import (
     StructuredOutput,
 )
 from brigade.models.create import create_model
-from brigade.plugins.grammar.xgrammar import XGrammarBackend, XGrammarOptions
+from brigade.plugins.grammar.xgrammar import XGrammarBackend, XGrammarMatcher, XGrammarOptions
+from brigade.testing.conformance import check_grammar_backend
 from brigade.testing.parity import assert_same_greedy_outputs
 
 MAX_TOKENS = 256
@@ -921,3 +922,37 @@ def test_keywords_xgrammar_would_ignore_are_refused(schema: dict, llm: LLM) -> N
     params = SamplingParams(structured_output=StructuredOutput("json_schema", json.dumps(schema)))
     with pytest.raises(RequestError, match="not supported"):
         llm.generate(make_prompts(1), params, use_tqdm=False)
+
+
+# -- the grammar backend contract -------------------------------------------------------------
+
+
+def test_the_xgrammar_backend_conforms(llm: LLM) -> None:
+    engine = llm.engine
+    check_grammar_backend(
+        XGrammarBackend, XGrammarOptions(), engine.checkpoint, vocab_size=engine.vocab_size
+    )
+
+
+class _NeverEnds(XGrammarMatcher):
+    def is_terminated(self) -> bool:
+        return False
+
+
+class _NeverEndingBackend(XGrammarBackend):
+    """Its matchers never report a finished grammar (the request would run to max_tokens)."""
+
+    def matcher(self, compiled: Any) -> XGrammarMatcher:
+        inner = super().matcher(compiled)
+        return _NeverEnds(inner._matcher, inner._non_stop, inner._scratch)
+
+
+def test_the_grammar_check_fails_a_matcher_that_never_terminates(llm: LLM) -> None:
+    engine = llm.engine
+    with pytest.raises(AssertionError, match="is_terminated"):
+        check_grammar_backend(
+            _NeverEndingBackend,
+            XGrammarOptions(),
+            engine.checkpoint,
+            vocab_size=engine.vocab_size,
+        )

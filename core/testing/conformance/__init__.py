@@ -10,6 +10,7 @@ Brigade runs the same checks on every registered component (``tests/test_conform
 """
 
 from brigade.testing.conformance.detokenizer import DETOKENIZER_TEXTS, check_detokenizer
+from brigade.testing.conformance.grammar import check_grammar_backend
 from brigade.testing.conformance.kv import check_kv_manager
 from brigade.testing.conformance.logits_processor import check_logits_processor
 from brigade.testing.conformance.models import (
@@ -34,6 +35,7 @@ __all__ = [
     "check_attention_backend",
     "check_detokenizer",
     "check_executor",
+    "check_grammar_backend",
     "check_kv_manager",
     "check_logits_processor",
     "check_model_architecture",
