@@ -256,7 +256,7 @@ def admission_counters(monkeypatch: pytest.MonkeyPatch, engine: Any) -> tuple[li
     import brigade.engine
 
     checks = count_calls(monkeypatch, brigade.engine, "check_request")
-    compiles = count_calls(monkeypatch, engine._grammar_stage, "prepare")
+    compiles = count_calls(monkeypatch, engine.grammar, "prepare")
     return checks, compiles
 
 

@@ -196,7 +196,7 @@ def test_refused_reasons_name_the_brigade_equivalent() -> None:
     reasons = dict(REFUSED)
     assert "[kv] memory_fraction" in reasons["--gpu-memory-utilization"]
     assert "tensor parallelism is not implemented yet" in reasons["-tp"]
-    assert "[sampler] plugin" in reasons["--guided-decoding-backend"]
+    assert "[grammar] station" in reasons["--guided-decoding-backend"]
 
 
 def test_flags_neither_brigade_nor_vllm_has_get_argparses_error(
