@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_simulated import LLAMA_3_70B, settings
+from simulated_helpers import LLAMA_3_70B, settings
 
 from brigade.bench.simulate import VirtualClock, run_simulation
 from brigade.bench.workloads import Lengths, WorkloadRequest, synthetic
