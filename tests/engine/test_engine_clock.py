@@ -33,7 +33,7 @@ from brigade.registry import Registry, load_registry
 from brigade.testing.conformance import build_scheduler, check_scheduler
 from brigade.testing.requests import make_request
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
