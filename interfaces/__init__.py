@@ -98,8 +98,8 @@ PUBLIC_MODULES: tuple[str, ...] = (
 conformance kit for its own tests, ``cache_root()`` for what it builds once (compiled kernels),
 and ``build_model_input``, the reference builder of a :class:`ModelInput` (warm-up steps,
 backend tests). Built-in plugins may also import each other (``brigade.plugins``); anything
-else a plugin needs, core hands it in the factory's params. ``tests/test_plugin_imports.py``
-holds the built-ins and the example plugin to this."""
+else a plugin needs, core hands it in the factory's params.
+``tests/plugin_api/test_plugin_imports.py`` holds the built-ins and the example plugin to this."""
 
 __all__ = [
     "API_VERSION",

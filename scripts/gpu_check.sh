@@ -6,10 +6,10 @@
 #      cannot be built offline, a symlinked package tree on PYTHONPATH;
 #   2. the triton backend's whole test file, compiled on the GPU (fp32 vs the float64
 #      reference, bf16/fp16 vs sdpa);
-#   3. every other test marked `gpu`, among them tests/test_gpu_parity.py: greedy parity
-#      (tie-aware) of the engine with transformers `generate` on a small llama in bf16 on the
-#      GPU, with the torch and the cuda-graph executor, a 16-token budget mixing prefill
-#      chunks with decodes;
+#   3. every other test marked `gpu`, among them tests/plugins/models/test_gpu_parity.py:
+#      greedy parity (tie-aware) of the engine with transformers `generate` on a small llama
+#      in bf16 on the GPU, with the torch and the cuda-graph executor, a 16-token budget
+#      mixing prefill chunks with decodes;
 #   4. benchmarks/attention_kernels.py: triton vs sdpa timings (decode batch 1/8/64 x context
 #      1k/8k, prefill chunks), bf16, head dim 128, 32q/8kv heads, page 16;
 #   5. benchmarks/cuda_graph_decode.py: decode tokens/s, eager vs cuda-graph executor, batch
@@ -19,9 +19,9 @@
 #   6. benchmarks/offline_throughput.py: brigade (cuda-graph executor, triton attention) vs
 #      transformers `generate` tokens/s and their ratio, bf16 on the GPU, the mixed workload
 #      at a quarter of its requests, small model.
-# Step 3 also includes tests/test_cuda_graph.py (decode graphs and piecewise graphs vs eager),
-# tests/test_piecewise.py (piecewise graphs vs eager, bf16, against fp32) and
-# tests/test_flash_attn_backend.py.
+# Step 3 also includes tests/plugins/executors/test_cuda_graph.py (decode graphs and piecewise
+# graphs vs eager), tests/plugins/executors/test_piecewise.py (piecewise graphs vs eager, bf16,
+# against fp32) and tests/plugins/attention/test_flash_attn_backend.py.
 # Time limits: each step has a cap (the *_s variables below, 450 s = 7.5 minutes in all); a
 # step may also use what earlier steps left of their caps, so the script's steps together never
 # run past the sum of the caps, hung or not (plus the 5 s that `timeout -k` grants the last
@@ -100,9 +100,10 @@ step() {
     [ "$rc" = 0 ] || status=1
 }
 pytest=("$python" -m pytest -q -p no:cacheprovider)
-step "tests/test_triton_backend.py, compiled on the GPU" "$triton_tests_s" \
-    "${pytest[@]}" tests/test_triton_backend.py
-mapfile -t others < <(grep -l "mark.gpu" tests/test_*.py | grep -v test_triton_backend.py)
+step "tests/plugins/attention/test_triton_backend.py, compiled on the GPU" "$triton_tests_s" \
+    "${pytest[@]}" tests/plugins/attention/test_triton_backend.py
+mapfile -t others < <(grep -rl --include="test_*.py" "mark.gpu" tests | sort \
+    | grep -v test_triton_backend.py)
 if [ "${#others[@]}" -gt 0 ]; then
     echo "gpu_check: tests marked gpu in ${others[*]}"
     step "other tests marked gpu" "$gpu_tests_s" "${pytest[@]}" -m gpu "${others[@]}"

@@ -4,7 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 # The out-of-tree example plugin, installed the way a user installs a plugin, so that
-# tests/test_example_plugin.py runs it end to end (and its own tests) against this checkout.
+# tests/plugin_api/test_example_plugin.py runs it end to end (and its own tests) against this checkout.
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps \
     --no-build-isolation -e examples/plugins/brigade-sjf
 .venv/bin/ruff check .

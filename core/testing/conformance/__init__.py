@@ -6,7 +6,8 @@ it works in any test runner::
     def test_my_backend_conforms():
         check_attention_backend(MyBackend(MyOptions()))
 
-Brigade runs the same checks on every registered component (``tests/test_conformance.py``).
+Brigade runs the same checks on every registered component
+(``tests/plugin_api/test_conformance.py``).
 """
 
 from brigade.testing.conformance.detokenizer import DETOKENIZER_TEXTS, check_detokenizer

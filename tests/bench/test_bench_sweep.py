@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_simulated import LLAMA_3_70B
+from simulated_helpers import LLAMA_3_70B
 
 from brigade.bench.report import BenchError
 from brigade.bench.spec import parse_sweep, parse_workload

@@ -58,7 +58,7 @@ def llm(model_dir: Path) -> LLM:
 @pytest.fixture(scope="module")
 def server(model_dir: Path) -> Iterator[tuple[TestClient[Any], Any]]:
     """The HTTP app on its own engine (started in process, so tests can count calls)."""
-    # An earlier in-process `brigade serve` (tests/test_cli.py) leaves structlog writing to
+    # An earlier in-process `brigade serve` (tests/config/test_cli.py) leaves structlog writing to
     # that test's captured stderr, closed since: log to the current stdout again.
     structlog.reset_defaults()
     registry = default_registry()

@@ -13,7 +13,7 @@ from brigade.registry import default_registry
 from brigade.serve_args import update_doc
 from brigade.serve_flags import FLAGS
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "vllm.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "vllm.md"
 ALIASES = [f for f in FLAGS if f.status == "alias"]
 ACCEPTED = [f for f in FLAGS if f.status == "accepted"]
 REFUSED = [(name, f.help) for f in FLAGS if f.status == "refused" for name in f.names]

@@ -18,7 +18,7 @@ import pytest
 from brigade import LLM, SamplingParams
 from brigade.models.create import create_model
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "plugins" / "brigade-sjf"
 
 try:

@@ -16,21 +16,23 @@ from typing import Any
 import pytest
 import torch
 from conftest import build_hf_model, save_model
+from executor_helpers import (
+    ATOL,
+    NUM_PAGES,
+    PAGE_SIZE,
+    ShuffledPages,
+    make_executor,
+    token_sequences,
+)
 from safetensors import safe_open
 
 from brigade.interfaces import ExecutorParams, NoOptions
 from brigade.model_input import SeqChunk, build_model_input
 from brigade.models.checkpoint import open_checkpoint
-from brigade.plugins.attention.sdpa import SdpaBackend, SdpaOptions
+from brigade.plugins.attention.sdpa import SdpaBackend
 from brigade.plugins.executors.torch_executor import TorchExecutor, TorchExecutorOptions
 from brigade.plugins.models.rope import parse_rope_config, rope_cos_sin
 from brigade.testing.parity import assert_greedy_match
-
-ATOL = 3e-5
-"""fp32 logits (|logit| up to ~7): brigade vs transformers eager. Measured max difference
-9.2e-6 (sliding-window prefill); 3x headroom for other CPUs' matmul blocking."""
-PAGE_SIZE = 4
-NUM_PAGES = 48
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,33 +151,6 @@ def model_pair(
     return hf_model, executors(name, mode)
 
 
-def make_executor(
-    directory: Path,
-    *,
-    compiled: bool = False,
-    native_decode: bool = True,
-    onednn_min_rows: int = TorchExecutorOptions.onednn_min_rows,
-    fused: bool = True,
-) -> TorchExecutor:
-    params = ExecutorParams(
-        model_path=str(directory),
-        dtype="float32",
-        attention=SdpaBackend(SdpaOptions(native_decode=native_decode)),
-        page_size=PAGE_SIZE,
-        kv_cache_dtype="auto",
-        max_model_len=0,
-        checkpoint=open_checkpoint(str(directory)),
-    )
-    executor = TorchExecutor(
-        params,
-        TorchExecutorOptions(
-            device="cpu", compile=compiled, onednn_min_rows=onednn_min_rows, fused_ops=fused
-        ),
-    )
-    executor.initialize_kv_cache(NUM_PAGES)
-    return executor
-
-
 def _keep_only_legacy_rope_type(directory: Path) -> None:
     """Rewrite config.json as transformers 4.x wrote it: ``rope_theta`` beside a
     ``rope_scaling`` dict with only the old ``type`` key (transformers 5 writes one
@@ -187,24 +162,6 @@ def _keep_only_legacy_rope_type(directory: Path) -> None:
     kind = params.pop("rope_type", None) or params.pop("type", None)
     config["rope_scaling"] = {"type": kind, **params}
     file.write_text(json.dumps(config))
-
-
-class ShuffledPages:
-    """Hands out pages of the pool in a fixed random order (non-contiguous block tables)."""
-
-    def __init__(self, seed: int = 0) -> None:
-        self.free = torch.randperm(NUM_PAGES, generator=torch.Generator().manual_seed(seed))
-        self.free_list: list[int] = self.free.tolist()
-
-    def take(self, num_tokens: int) -> list[int]:
-        count = -(-num_tokens // PAGE_SIZE)
-        pages, self.free_list = self.free_list[:count], self.free_list[count:]
-        return pages
-
-
-def token_sequences(lengths: Sequence[int], seed: int = 1) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 256, (n,), generator=generator).tolist() for n in lengths]
 
 
 def reference_logits(hf_model: Any, tokens: Sequence[int]) -> torch.Tensor:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_simulated import LLAMA_3_70B, settings
+from simulated_helpers import LLAMA_3_70B, settings
 
 from brigade.bench.simulate import VirtualClock, run_simulation
 from brigade.bench.workloads import Lengths, WorkloadRequest, synthetic
@@ -33,7 +33,7 @@ from brigade.registry import Registry, load_registry
 from brigade.testing.conformance import build_scheduler, check_scheduler
 from brigade.testing.requests import make_request
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

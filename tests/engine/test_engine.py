@@ -3,25 +3,19 @@ under batching, chunking, prefix caching and preemption, and the offline API."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 import torch
+from engine_helpers import GREEDY, assert_same_greedy, make_llm, prompts, run
 
-from brigade import LLM, SamplingParams
+from brigade import SamplingParams
 from brigade.errors import RequestError
 from brigade.models.create import create_model
-from brigade.testing.parity import (
-    assert_greedy_match,
-    assert_same_greedy_outputs,
-    reference_greedy,
-)
+from brigade.testing.parity import assert_greedy_match, reference_greedy
 
 ATOL = 1e-4
 """fp32 logits of the tiny models (std ~4): brigade vs transformers differ by ~1e-5."""
-LOGPROB_ATOL = 1e-4
-"""Two brigade runs of one model: log probabilities of a near-tie."""
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 
 
@@ -29,28 +23,6 @@ ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
     return {a: create_model(root / a, a, overrides={"num_hidden_layers": 2}) for a in ARCHS}
-
-
-def make_llm(model_dir: Path, *settings: str) -> LLM:
-    base = [f"model.path={model_dir}", "kv.page_size=4", "kv.num_pages=256", "model.dtype=float32"]
-    return LLM(overrides=[*base, *settings])
-
-
-def prompts(lengths: Sequence[int], seed: int = 0) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(5, 4000, (n,), generator=generator).tolist() for n in lengths]
-
-
-GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
-
-
-def run(llm: LLM, token_prompts: list[list[int]]) -> list[tuple[list[int], list]]:
-    outputs = llm.generate(token_prompts, GREEDY)
-    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
-
-
-def assert_same_greedy(ours: list, reference: list, label: str) -> None:
-    assert_same_greedy_outputs(ours, reference, atol=LOGPROB_ATOL, label=label)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

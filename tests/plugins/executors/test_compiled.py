@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch._dynamo.exc
-from test_model_parity import make_executor
+from executor_helpers import make_executor
 
 from brigade import LLM, SamplingParams
 from brigade.model_input import SeqChunk, build_model_input

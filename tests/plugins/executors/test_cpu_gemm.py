@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from test_model_parity import make_executor
+from executor_helpers import make_executor
 from torch import nn
 
 from brigade.model_input import SeqChunk, build_model_input

@@ -8,25 +8,13 @@ import json
 from pathlib import Path
 
 import pytest
+from simulated_helpers import LLAMA_3_70B, settings
 
 from brigade.bench.simulate import run_simulation
 from brigade.bench.workloads import Arrivals, Lengths, shared_prefix, synthetic
 from brigade.errors import ConfigError
 from brigade.plugins.executors.simulated import GPUS, CostModel, ModelShape, StepProfile
 
-LLAMA_3_70B = {
-    "architectures": ["LlamaForCausalLM"],
-    "hidden_size": 8192,
-    "num_hidden_layers": 80,
-    "num_attention_heads": 64,
-    "num_key_value_heads": 8,
-    "intermediate_size": 28672,
-    "vocab_size": 128256,
-    "max_position_embeddings": 8192,
-    "eos_token_id": 128001,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0,
-}
 SHAPE_70B = ModelShape.from_hf_config(LLAMA_3_70B)
 
 
@@ -36,17 +24,6 @@ def model_70b(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("llama-3-70b")
     (directory / "config.json").write_text(json.dumps(LLAMA_3_70B), encoding="utf-8")
     return directory
-
-
-def settings(model_dir: Path, *extra: str) -> list[str]:
-    return [
-        f"model.path={model_dir}",
-        "model.max_model_len=4096",
-        "executor.gpu=H100",
-        "executor.num_gpus=4",
-        "kv.max_memory_gib=100",
-        *extra,
-    ]
 
 
 # -- the cost model ---------------------------------------------------------------------------

@@ -6,9 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from engine_helpers import assert_same_greedy, prompts, run
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_engine import assert_same_greedy, prompts, run
 
 from brigade import LLM
 from brigade.interfaces import KVPoolParams, Request, RequestStatus

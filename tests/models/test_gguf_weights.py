@@ -18,8 +18,8 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from executor_helpers import ATOL, PAGE_SIZE, ShuffledPages, make_executor, token_sequences
 from safetensors.torch import load_file
-from test_model_parity import ATOL, PAGE_SIZE, ShuffledPages, make_executor, token_sequences
 from transformers import AutoModelForCausalLM
 
 from brigade.errors import ModelLoadError

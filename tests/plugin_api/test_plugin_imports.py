@@ -22,7 +22,7 @@ import brigade.errors
 import brigade.interfaces
 from brigade.interfaces import PUBLIC_MODULES
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BUILTINS = ROOT / "plugins"
 EXAMPLES = ROOT / "examples" / "plugins"
 BUILTIN_ALLOWED = (*PUBLIC_MODULES, "brigade.plugins")

@@ -4,8 +4,9 @@ CPU tests cover everything that does not need CUDA: which captured size a step u
 decode batch is padded, and that padding rows (aimed at the scratch page) change neither the
 real rows' attention output nor any real page, with the sdpa and triton backends; and, with
 graphs imitated by ``RerunGraphRunner``, decode graphs and piecewise graphs (mixed steps;
-more in tests/test_piecewise.py) against the eager executor in the triton interpreter. The
-``gpu``-marked tests compare graph replay with the eager executor (scripts/gpu_check.sh).
+more in tests/plugins/executors/test_piecewise.py) against the eager executor in the triton
+interpreter. The ``gpu``-marked tests compare graph replay with the eager executor
+(scripts/gpu_check.sh).
 """
 
 from __future__ import annotations

@@ -86,5 +86,5 @@ def test_a_1x_plugin_is_refused_with_a_pointer_to_the_migration_guide(
     message = str(excinfo.value)
     assert "needs Brigade plugin API 1.3" in message
     assert 'docs/plugins.md, "Migrating a 1.x plugin to 2.0"' in message
-    guide = (Path(__file__).parents[1] / "docs" / "plugins.md").read_text(encoding="utf-8")
+    guide = (Path(__file__).parents[2] / "docs" / "plugins.md").read_text(encoding="utf-8")
     assert "\n## Migrating a 1.x plugin to 2.0\n" in guide

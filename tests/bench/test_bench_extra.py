@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
-from test_simulated import LLAMA_3_70B
+from simulated_helpers import LLAMA_3_70B
 
 from brigade.bench.compare import compare_runs, render_differences_markdown, seeds_needed
 from brigade.bench.endpoint import Endpoint, _request

@@ -8,7 +8,7 @@ from brigade.config_docs import render_config_reference
 from brigade.registry import load_registry
 from brigade.stations import STATIONS
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "config.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 
 
 def test_config_reference_is_up_to_date() -> None:

@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 import torch
+from protocol_helpers import chat_body, completion_body, protocol_error
 from server_harness import tiny_model, tiny_server_config
-from test_protocol import chat_body, completion_body, protocol_error
-from test_simulated import LLAMA_3_70B, settings
+from simulated_helpers import LLAMA_3_70B, settings
 
 from brigade import LLM, SamplingParams
 from brigade.config import load_config

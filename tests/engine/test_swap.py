@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_engine import assert_same_greedy, make_llm, prompts, run
+from engine_helpers import assert_same_greedy, make_llm, prompts, run
 
 from brigade.errors import ConfigError
 from brigade.models.create import create_model

@@ -14,6 +14,7 @@ import msgspec
 import openai.types
 import openai.types.chat
 import pytest
+from protocol_helpers import USER, chat_body, completion_body, protocol_error
 
 from brigade.engine import TokenLogprob
 from brigade.server import responses
@@ -36,24 +37,6 @@ from brigade.server.protocol import (
     sampling_params,
     template_messages,
 )
-
-USER = [{"role": "user", "content": "hi"}]
-
-
-def chat_body(**fields: Any) -> bytes:
-    return json.dumps({"model": "m", "messages": USER, **fields}).encode()
-
-
-def completion_body(**fields: Any) -> bytes:
-    return json.dumps({"model": "m", "prompt": "hi", **fields}).encode()
-
-
-def protocol_error(body: bytes, type_: type = ChatCompletionRequest) -> ProtocolError:
-    with pytest.raises(ProtocolError) as info:
-        decode_json(body, type_)
-    assert info.value.status == 400
-    assert info.value.type == "invalid_request_error"
-    return info.value
 
 
 def chat_params(**fields: Any) -> Any:

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from test_simulated import LLAMA_3_70B
+from simulated_helpers import LLAMA_3_70B
 
 from brigade.bench.cli import parse_workload
 from brigade.bench.report import (
