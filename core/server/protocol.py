@@ -22,7 +22,7 @@ import msgspec
 
 from brigade.interfaces import ExtraValue, SamplingParams, StructuredOutput, freeze_extra
 from brigade.server.errors import ErrorResponse, ProtocolError
-from brigade.server.tools import ToolChoice, parse_tools
+from brigade.server.tools import ToolChoice, parse_tools, schema_key
 
 __all__ = [
     "ChatCompletionRequest",
@@ -60,6 +60,9 @@ _ANY_FIELDS = (
     "web_search_options",
     "extra_args",
     "vllm_xargs",
+    "guided_json",
+    "structured_outputs",
+    "chat_template_kwargs",
 )
 """Fields decoded as any JSON: their depth is checked here (typed fields have their own)."""
 MAX_TOKEN_ID_DIGITS = 18
@@ -133,6 +136,22 @@ class _SamplingFields(msgspec.Struct, kw_only=True, dict=True):
     """Brigade extension: data for plugins (``Request.extra``), e.g. ``{"deadline_s": 2}``."""
     vllm_xargs: dict[str, Any] | None = None
     """vLLM's name for ``extra_args`` (give one of the two)."""
+    # vLLM's structured-output fields, mapped onto the grammar station (one at most, and not
+    # with response_format or tools).
+    structured_outputs: Any = None
+    """vLLM >= 0.10: ``{"json" | "regex" | "choice" | "grammar" | "json_object": ...}``."""
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    # vLLM fields that would change the output and are not implemented: refused (400).
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    truncate_prompt_tokens: Any = None
+    prompt_logprobs: Any = None
+    use_beam_search: bool = False
 
     def _check_common(self) -> None:
         for name in _ANY_FIELDS:
@@ -141,7 +160,22 @@ class _SamplingFields(msgspec.Struct, kw_only=True, dict=True):
             raise ProtocolError(
                 "stream_options is only allowed when stream is true.", param="stream_options"
             )
-        self.structured_output()  # validates response_format (and tools)
+        for name, feature in _REFUSED_VLLM_FIELDS:
+            if getattr(self, name) not in (None, False, []):
+                _unsupported(name, feature)
+        if self.guided_decoding_backend not in (None, "", "auto", "xgrammar"):
+            raise ProtocolError(
+                f"guided_decoding_backend {self.guided_decoding_backend!r} is not available: "
+                "structured output uses the server's [grammar] station (xgrammar by default); "
+                "leave the field out.",
+                param="guided_decoding_backend",
+            )
+        if self.guided_whitespace_pattern is not None:
+            _unsupported(
+                "guided_whitespace_pattern",
+                "a whitespace pattern; the server's [grammar] max_whitespace sets it",
+            )
+        self.structured_output()  # validates response_format, vLLM's guided fields (and tools)
         self.extra()  # validates extra_args
 
     def extra(self) -> Mapping[str, ExtraValue]:
@@ -166,9 +200,15 @@ class _SamplingFields(msgspec.Struct, kw_only=True, dict=True):
         """The grammar of the answer, or None for plain text (parsed once per request)."""
         return self._grammar
 
+    def grammar_param(self) -> str:
+        """The field a grammar error names: a vLLM structured-output field when one is set,
+        else ``response_format``."""
+        guided = _vllm_grammar(self)
+        return "response_format" if guided is None else guided[0]
+
     @functools.cached_property
     def _grammar(self) -> StructuredOutput | None:
-        return _response_format(self.response_format)
+        return _one_grammar(_response_format(self.response_format), _vllm_grammar(self))
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -187,6 +227,14 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     audio: Any = None
     modalities: list[str] | None = None
     web_search_options: Any = None
+    add_generation_prompt: bool = True
+    """vLLM extension: end the prompt with the assistant turn's opening (the template's)."""
+    continue_final_message: bool = False
+    """vLLM extension: the last (assistant) message is continued, not closed."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """vLLM extension: extra variables for the chat template (e.g. ``enable_thinking``)."""
+    chat_template: str | None = None
+    echo: bool = False
 
     def __post_init__(self) -> None:
         self._check_common()
@@ -205,7 +253,37 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
             _unsupported("audio" if self.audio is not None else "modalities", "audio output")
         if self.web_search_options is not None:
             _unsupported("web_search_options", "web search")
+        if self.chat_template is not None:
+            _unsupported("chat_template", "a chat template per request; set [model] chat_template")
+        if self.echo:
+            _unsupported("echo", "echoing the last message")
         _check_messages(self.messages)
+        self.template_kwargs()  # validates continue_final_message and chat_template_kwargs
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """Extra arguments of the chat template: ``chat_template_kwargs`` and
+        ``continue_final_message``."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        reserved = sorted(set(kwargs) & _TEMPLATE_ARGUMENTS)
+        if reserved:
+            raise ProtocolError(
+                f"chat_template_kwargs may not set {reserved[0]!r}: it is the request's own "
+                "field or the server's.",
+                param="chat_template_kwargs",
+            )
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                raise ProtocolError(
+                    "continue_final_message needs add_generation_prompt set to false.",
+                    param="continue_final_message",
+                )
+            if not self.messages or self.messages[-1].role != "assistant":
+                raise ProtocolError(
+                    "continue_final_message needs the last message to be the assistant's.",
+                    param="continue_final_message",
+                )
+            kwargs["continue_final_message"] = True
+        return kwargs
 
     def tool_choice_spec(self) -> ToolChoice | None:
         """The tools the model may or must call, or None when it may call none."""
@@ -219,9 +297,16 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     def _grammar(self) -> StructuredOutput | None:
         """The tool calls' grammar, else ``response_format``'s."""
         choice = self._tool_choice
+        guided = _vllm_grammar(self)
         if choice is not None:
+            if guided is not None:
+                raise ProtocolError(
+                    f"{guided[0]} cannot be combined with tool calls; set tool_choice to "
+                    f'"none" or drop {guided[0]}.',
+                    param=guided[0],
+                )
             return choice.structured_output()
-        return _response_format(self.response_format)
+        return _one_grammar(_response_format(self.response_format), guided)
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -543,7 +628,8 @@ def _response_format(response_format: Any) -> StructuredOutput | None:
             raise ProtocolError(
                 "the schema must be a JSON object.", param="response_format.json_schema.schema"
             )
-        return StructuredOutput("json_schema", json.dumps(schema, sort_keys=True))
+        # The answer lists its keys in the schema's order, as OpenAI's does (schema_key).
+        return StructuredOutput("json_schema", json.dumps(schema_key(schema)))
     text = response_format.get(kind)
     if not isinstance(text, str) or not text:
         raise ProtocolError(
@@ -551,6 +637,91 @@ def _response_format(response_format: Any) -> StructuredOutput | None:
             param=f"response_format.{kind}",
         )
     return StructuredOutput(kind, text)
+
+
+_REFUSED_VLLM_FIELDS = (
+    ("allowed_token_ids", "restricting the output to given token ids"),
+    ("bad_words", "per-request banned words; the ban-words logits processor bans engine-wide"),
+    ("truncate_prompt_tokens", "truncating the prompt"),
+    ("prompt_logprobs", "log probabilities of the prompt"),
+    ("use_beam_search", "beam search"),
+)
+"""vLLM request fields that would change the answer and that Brigade does not implement."""
+_TEMPLATE_ARGUMENTS = frozenset(
+    {"messages", "tools", "add_generation_prompt", "tokenize", "continue_final_message"}
+    | {"chat_template", "documents", "return_dict"}
+)
+_GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+_STRUCTURED_OUTPUTS_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def _vllm_grammar(fields: _SamplingFields) -> tuple[str, StructuredOutput] | None:
+    """vLLM's ``structured_outputs`` or ``guided_*`` field as the request's grammar, with
+    the field's name; None when the request sets none."""
+    given: list[tuple[str, str, Any]] = [
+        (name, name.removeprefix("guided_"), getattr(fields, name))
+        for name in _GUIDED_FIELDS
+        if getattr(fields, name) is not None
+    ]
+    outputs = fields.structured_outputs
+    if outputs is not None:
+        if not isinstance(outputs, dict):
+            raise ProtocolError("structured_outputs must be an object.", param="structured_outputs")
+        for key, value in outputs.items():
+            if key in _STRUCTURED_OUTPUTS_KEYS and value not in (None, False):
+                given.append((f"structured_outputs.{key}", key, value))
+            elif key not in _STRUCTURED_OUTPUTS_KEYS and value not in (None, False, ""):
+                raise ProtocolError(
+                    f"structured_outputs.{key} is not supported; give one of "
+                    f"{', '.join(_STRUCTURED_OUTPUTS_KEYS)}.",
+                    param=f"structured_outputs.{key}",
+                )
+    if not given:
+        return None
+    if len(given) > 1:
+        raise ProtocolError(
+            f"give one structured-output field, not {given[0][0]} and {given[1][0]}.",
+            param=given[1][0],
+        )
+    param, kind, value = given[0]
+    return param, _guided_grammar(param, kind, value)
+
+
+def _guided_grammar(param: str, kind: str, value: Any) -> StructuredOutput:
+    if kind == "json_object":
+        return StructuredOutput("json")
+    if kind == "json":
+        schema = value
+        if isinstance(value, str):
+            try:
+                schema = json.loads(value)
+            except ValueError:
+                raise ProtocolError(f"{param} is not valid JSON.", param=param) from None
+        if not isinstance(schema, dict | bool):
+            raise ProtocolError(f"{param} must be a JSON schema (an object).", param=param)
+        return StructuredOutput("json_schema", json.dumps(schema_key(schema)))
+    if kind == "choice":
+        if (
+            not isinstance(value, list)
+            or not value
+            or not all(isinstance(item, str) and item for item in value)
+        ):
+            raise ProtocolError(f"{param} must be a list of non-empty strings.", param=param)
+        alternatives = " | ".join(json.dumps(item, ensure_ascii=False) for item in value)
+        return StructuredOutput("ebnf", f"root ::= {alternatives}")
+    if not isinstance(value, str) or not value:
+        raise ProtocolError(f"{param} must be a non-empty string.", param=param)
+    return StructuredOutput("regex" if kind == "regex" else "ebnf", value)
+
+
+def _one_grammar(
+    response_format: StructuredOutput | None, guided: tuple[str, StructuredOutput] | None
+) -> StructuredOutput | None:
+    if guided is None:
+        return response_format
+    if response_format is not None:
+        raise ProtocolError(f"give response_format or {guided[0]}, not both.", param=guided[0])
+    return guided[1]
 
 
 def _default(value: float | None, default: float) -> float:

@@ -36,6 +36,7 @@ __all__ = [
     "ToolChoice",
     "parse_tool_calls",
     "parse_tools",
+    "schema_key",
 ]
 
 CALL_BEGIN = "<tool_call>"
@@ -73,7 +74,7 @@ class ToolChoice:
             {
                 "type": "tag",
                 "begin": f'{CALL_BEGIN}\n{{"name": {json.dumps(name)}, "arguments": ',
-                "content": {"type": "json_schema", "json_schema": self.tools[name]},
+                "content": {"type": "json_schema", "json_schema": schema_key(self.tools[name])},
                 "end": f"}}\n{CALL_END}",
             }
             for name in names
@@ -97,7 +98,8 @@ class ToolChoice:
                 "stop_after_first": not self.parallel,
             }
         tag = {"type": "structural_tag", "format": fmt}
-        return StructuredOutput("structural_tag", json.dumps(tag, sort_keys=True))
+        # Each schema keeps its properties' order (schema_key): arguments come in that order.
+        return StructuredOutput("structural_tag", json.dumps(tag))
 
 
 def parse_tools(
@@ -180,15 +182,39 @@ def _parse_tool_list(tools: Any) -> dict[str, dict[str, Any]]:
     return specs
 
 
+_ORDERED = frozenset({"properties", "prefixItems"})
+"""Schema keywords whose entries' order is the output's order (the answer's keys, items)."""
+
+
+def schema_key(schema: Any) -> Any:
+    """``schema`` in a canonical form for the compile cache: every object's keys sorted except
+    the entries of ``properties`` (the order the answer lists its keys in, as OpenAI keeps
+    it), so schemas that differ only in keyword order share one compiled grammar."""
+    if isinstance(schema, list):
+        return [schema_key(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    result: dict[str, Any] = {}
+    for key in sorted(schema):
+        value = schema[key]
+        if key in _ORDERED and isinstance(value, dict):
+            result[key] = {name: schema_key(child) for name, child in value.items()}
+        else:
+            result[key] = schema_key(value)
+    return result
+
+
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
+def parse_tool_calls(text: str, *, truncated: bool = False) -> tuple[str | None, list[ToolCall]]:
     """Split generated text into its free text and its ``<tool_call>`` blocks.
 
-    Blocks that do not parse (only possible when the answer was cut at ``max_tokens``) stay
-    in the text.
+    Blocks that do not parse stay in the text. With ``truncated`` (the answer was cut at
+    ``max_tokens``), a last block that was opened but never closed is a truncated call: its
+    arguments as far as they got (not valid JSON, as OpenAI reports a call cut by length), or
+    nothing when even its name was cut; it never stays in the text.
     """
     calls: list[ToolCall] = []
     kept: list[str] = []
@@ -200,9 +226,31 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
         kept.append(text[position : match.start()])
         position = match.end()
         calls.append(call)
-    kept.append(text[position:])
+    rest = text[position:]
+    opened = rest.find(CALL_BEGIN)
+    if truncated and opened >= 0 and CALL_END not in rest[opened:]:
+        partial = _partial_call(rest[opened + len(CALL_BEGIN) :])
+        if partial is not None:
+            calls.append(partial)
+        rest = rest[:opened]
+    elif truncated:  # cut inside the opening tag itself
+        rest = rest[: len(rest) - _partial_suffix(rest, CALL_BEGIN)]
+    kept.append(rest)
     content = "".join(kept).strip()
     return content or None, calls
+
+
+_PARTIAL = re.compile(r'\s*\{"name": "((?:[^"\\]|\\.)*)", "arguments": (.*)', re.DOTALL)
+"""The head of a call (``structured_output``'s ``begin``) with whatever arguments followed."""
+
+
+def _partial_call(body: str) -> ToolCall | None:
+    """The call a cut block had started: its name, and its arguments so far."""
+    match = _PARTIAL.match(body)
+    if match is None:
+        return None
+    name = json.loads(f'"{match[1]}"')
+    return ToolCall(new_call_id(), name, match[2].rstrip())
 
 
 def _parse_call(body: str) -> ToolCall | None:
@@ -227,24 +275,34 @@ class ToolCallStream:
         self._pending = ""
         self.num_calls = 0
 
-    def feed(self, text: str, *, final: bool = False) -> tuple[str, list[ToolCall]]:
-        """Content to send now and the calls completed by ``text``."""
+    def feed(
+        self, text: str, *, final: bool = False, truncated: bool = False
+    ) -> tuple[str, list[ToolCall]]:
+        """Content to send now and the calls completed by ``text``; on the ``final`` text of
+        an answer cut at ``max_tokens`` (``truncated``), an unfinished call is emitted as a
+        truncated call (see :func:`parse_tool_calls`), never as content."""
         self._pending += text
         content: list[str] = []
         calls: list[ToolCall] = []
         while True:
             start = self._pending.find(CALL_BEGIN)
             if start < 0:
-                keep = 0 if final else _partial_suffix(self._pending, CALL_BEGIN)
+                keep = _partial_suffix(self._pending, CALL_BEGIN)
+                if final and not truncated:
+                    keep = 0
                 cut = len(self._pending) - keep
                 content.append(self._pending[:cut])
-                self._pending = self._pending[cut:]
+                self._pending = "" if final else self._pending[cut:]  # cut: a tag's start
                 break
             content.append(self._pending[:start])
             self._pending = self._pending[start:]
             end = self._pending.find(CALL_END)
             if end < 0:
-                if final:  # an unfinished call (cut at max_tokens): hand it over as text
+                if final and truncated:  # cut at max_tokens: a truncated call, or nothing
+                    _, partial = parse_tool_calls(self._pending, truncated=True)
+                    calls.extend(partial)
+                    self._pending = ""
+                elif final:  # cannot happen under the grammar: hand it over as text
                     content.append(self._pending)
                     self._pending = ""
                 break

@@ -16,7 +16,7 @@ from brigade.server.protocol import (
     sampling_params,
     template_messages,
 )
-from brigade.server.tools import ToolCallStream, parse_tool_calls
+from brigade.server.tools import ToolCallStream, parse_tool_calls, schema_key
 
 USER = [{"role": "user", "content": "hi"}]
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -46,7 +46,7 @@ def refused(type_: type = ChatCompletionRequest, **fields: Any) -> ProtocolError
         ({"type": "json_object"}, StructuredOutput("json")),
         (
             {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA}},
-            StructuredOutput("json_schema", json.dumps(SCHEMA, sort_keys=True)),
+            StructuredOutput("json_schema", json.dumps(schema_key(SCHEMA))),
         ),
         ({"type": "regex", "regex": "[a-z]+"}, StructuredOutput("regex", "[a-z]+")),
         ({"type": "ebnf", "ebnf": 'root ::= "a"'}, StructuredOutput("ebnf", 'root ::= "a"')),
@@ -60,14 +60,21 @@ def test_response_format_becomes_the_grammar(response_format: Any, expected: Any
         assert sampling_params(request, default_max_tokens=8).structured_output == expected
 
 
-def test_equal_schemas_give_the_same_cache_key() -> None:
-    reordered = {"required": ["city"], "properties": SCHEMA["properties"], "type": "object"}
+def test_equal_schemas_give_the_same_cache_key_and_property_order_is_kept() -> None:
+    two = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
+    reordered = {"properties": two["properties"], "type": "object"}
+    flipped = {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "integer"}}}
     formats = [
         {"type": "json_schema", "json_schema": {"name": name, "schema": schema}}
-        for name, schema in (("a", SCHEMA), ("b", reordered))
+        for name, schema in (("a", two), ("b", reordered), ("c", flipped))
     ]
-    first, second = (chat(response_format=f).structured_output() for f in formats)
-    assert first == second
+    first, second, third = (chat(response_format=f).structured_output() for f in formats)
+    assert first == second  # keyword order is irrelevant to the answer
+    assert first != third  # property order is the answer's key order
+    for spec, schema in ((first, two), (third, flipped)):
+        assert spec is not None
+        properties = json.loads(spec.spec)["properties"]
+        assert list(properties) == list(schema["properties"])
 
 
 @pytest.mark.parametrize(
@@ -159,6 +166,31 @@ def test_tool_calls_are_parsed_out_of_the_text() -> None:
     assert parse_tool_calls("no calls") == ("no calls", [])
     cut = '<tool_call>\n{"name": "get_weather", "argu'
     assert parse_tool_calls(cut) == (cut, [])
+
+
+def test_a_call_cut_at_max_tokens_is_a_truncated_call_not_content() -> None:
+    head = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": '
+    content, calls = parse_tool_calls(head + '{"city": "Os', truncated=True)
+    assert content == "Checking."
+    assert [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Os')]
+    for cut in ('<tool_call>\n{"name": "get_wea', "<tool_call>", "<tool_c"):
+        assert parse_tool_calls("Checking. " + cut, truncated=True) == ("Checking.", [])
+    whole = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\n'
+    content, calls = parse_tool_calls(whole + head + "{", truncated=True)
+    assert content == "Checking."
+    assert [c.name for c in calls] == ["get_time", "get_weather"]
+    text = head + '{"city": "Oslo", "te'
+    for size in (1, 4, len(text)):
+        stream = ToolCallStream()
+        streamed, found = "", []
+        pieces = [text[i : i + size] for i in range(0, len(text), size)]
+        for index, piece in enumerate(pieces):
+            last = index == len(pieces) - 1
+            out, parsed = stream.feed(piece, final=last, truncated=last)
+            streamed += out
+            found += [(c.name, c.arguments) for c in parsed]
+        assert streamed == "Checking.\n"
+        assert found == [("get_weather", '{"city": "Oslo", "te')]
 
 
 def test_streamed_tool_calls_hold_back_partial_tags() -> None:
