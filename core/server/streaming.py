@@ -115,7 +115,11 @@ async def chat_events(
                 if tool_calls:
                     parser = parsers.setdefault(delta.index, ToolCallStream())
                     first = parser.num_calls
-                    content, parsed = parser.feed(delta.text, final=finish_reason is not None)
+                    content, parsed = parser.feed(
+                        delta.text,
+                        final=finish_reason is not None,
+                        truncated=finish_reason == "length",
+                    )
                     calls = tool_call_dicts(parsed, first_index=first) or None
                     if finish_reason == "stop" and parser.num_calls:
                         finish_reason = "tool_calls"
