@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from typing import Any
 
 from litestar import Request, Response
@@ -36,14 +36,21 @@ async def chat_completion(
     state: ServerState, request: Request[Any, Any, Any], body: proto.ChatCompletionRequest
 ) -> Response[out.ChatCompletion] | Stream:
     """Answer a decoded chat request: a ``chat.completion``, or the SSE stream of its chunks."""
-    prompt = await state.run_blocking(chat_prompt, state, body.messages, True, body.tools)
+    prompt = await state.run_blocking(
+        chat_prompt,
+        state,
+        body.messages,
+        body.add_generation_prompt,
+        body.tools,
+        body.template_kwargs(),
+    )
     params = proto.sampling_params(
         body,
         default_max_tokens=max(1, state.max_model_len - len(prompt)),
         defaults=state.async_engine.engine.sampling_defaults,
     )
     calls_tools = body.tool_choice_spec() is not None
-    grammar_param = "tools" if calls_tools else "response_format"
+    grammar_param = "tools" if calls_tools else body.grammar_param()
     admission = _admission(
         state, prompt, params, prompt_param="messages", grammar_param=grammar_param
     )
@@ -112,14 +119,14 @@ async def completion(
                 prompt,
                 params,
                 prompt_param="prompt",
-                grammar_param="response_format",
+                grammar_param=body.grammar_param(),
                 index=index,
             )
         )
         if body.max_tokens is not None:
             check_context(len(prompt), params, state.max_model_len, "max_tokens")
     _charge(state, request, prompts, params)
-    await _await_grammar(state, admissions, "response_format")
+    await _await_grammar(state, admissions, body.grammar_param())
     response_id = out.new_completion_id()
     priority = body.priority or 0
     deltas = await _first(
@@ -176,15 +183,21 @@ def _sse(events: AsyncGenerator[bytes, None]) -> Stream:
 
 
 def chat_prompt(
-    state: ServerState, messages: Sequence[Any], generation_prompt: bool, tools: Any
+    state: ServerState,
+    messages: Sequence[Any],
+    generation_prompt: bool,
+    tools: Any,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[int]:
-    """The conversation through the chat template (runs on the tokenizer threads)."""
+    """The conversation through the chat template (runs on the tokenizer threads);
+    ``template_kwargs`` are the request's extra template arguments."""
     try:
         return render_chat_prompt(
             state.tokenizer,
             proto.template_messages(messages),
             tools=tools or None,
             add_generation_prompt=generation_prompt,
+            **(template_kwargs or {}),
         )
     except Exception as exc:  # a template may reject a conversation (role order, ...)
         raise ProtocolError(_template_error(exc), param="messages") from None
