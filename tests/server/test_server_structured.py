@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
+from typing import Literal
 
 import httpx
 import jsonschema
@@ -263,3 +264,183 @@ def test_grammar_metrics(server: str, client: openai.OpenAI) -> None:
         )
     assert sample(requests, kind="json_schema") == before + 1
     assert sample("brigade:grammar_errors_total") == errors + 1
+
+
+# -- key order: the schema's, as OpenAI keeps it ------------------------------------------------
+
+UNSORTED = {
+    "type": "object",
+    "properties": {
+        "unit": {"enum": ["C", "F"]},
+        "temp": {"type": "integer", "minimum": -50, "maximum": 50},
+        "city": {"type": "string", "maxLength": 8},
+    },
+    "required": ["unit", "temp", "city"],
+}
+"""Properties in an order that is not alphabetical: the answer must keep it."""
+
+
+def test_json_schema_answers_keep_the_schema_s_key_order(client: openai.OpenAI) -> None:
+    response_format = {"type": "json_schema", "json_schema": {"name": "w", "schema": UNSORTED}}
+    for seed in (1, 2, 3):
+        answer = client.chat.completions.create(
+            model="tiny",
+            messages=MESSAGES,
+            response_format=response_format,  # type: ignore[arg-type]
+            max_tokens=96,
+            temperature=1.0,
+            seed=seed,
+        )
+        value = json.loads(answer.choices[0].message.content or "")
+        assert list(value) == ["unit", "temp", "city"], value
+
+
+def test_tool_arguments_keep_the_parameters_key_order(client: openai.OpenAI) -> None:
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": UNSORTED}}]
+    for seed in (1, 2):
+        answer = client.chat.completions.create(
+            model="tiny",
+            messages=MESSAGES,
+            tools=tools,  # type: ignore[arg-type]
+            tool_choice="required",
+            max_tokens=128,
+            temperature=1.0,
+            seed=seed,
+        )
+        calls = answer.choices[0].message.tool_calls or []
+        assert calls
+        for call in calls:
+            assert list(json.loads(call.function.arguments)) == ["unit", "temp", "city"]
+
+
+def test_the_openai_client_s_parse_fills_a_pydantic_model(client: openai.OpenAI) -> None:
+    import pydantic
+
+    class Reading(pydantic.BaseModel):  # field order matters: reasoning before the answer
+        step: Literal["look", "guess"]
+        verdict: bool
+        temp: int = pydantic.Field(ge=-50, le=50)
+        unit: Literal["C", "F"]
+
+    for seed in (4, 5):
+        completion = client.chat.completions.parse(
+            model="tiny",
+            messages=MESSAGES,  # type: ignore[arg-type]
+            response_format=Reading,
+            max_tokens=96,
+            temperature=1.0,
+            seed=seed,
+        )
+        message = completion.choices[0].message
+        assert isinstance(message.parsed, Reading), message.content
+        assert list(json.loads(message.content or "")) == ["step", "verdict", "temp", "unit"]
+
+
+def test_a_tool_call_cut_by_max_tokens_is_a_truncated_call(client: openai.OpenAI) -> None:
+    truncated = 0
+    for max_tokens in (10, 30, 44, 52, 60):  # the call's opening is ~38 tiny-model tokens
+        for stream in (False, True):
+            kwargs = {
+                "model": "tiny",
+                "messages": MESSAGES,
+                "tools": TOOLS[:1],
+                "tool_choice": "required",
+                "max_tokens": max_tokens,
+                "temperature": 1.0,
+                "seed": 9,
+            }
+            if stream:
+                content, finish = "", None
+                calls: dict[int, list[str]] = {}
+                for chunk in client.chat.completions.create(stream=True, **kwargs):  # type: ignore[call-overload]
+                    if not chunk.choices:
+                        continue
+                    choice = chunk.choices[0]
+                    finish = choice.finish_reason or finish
+                    content += choice.delta.content or ""
+                    for delta in choice.delta.tool_calls or []:
+                        entry = calls.setdefault(delta.index, ["", ""])
+                        entry[0] += delta.function.name or ""
+                        entry[1] += delta.function.arguments or ""
+                found = [tuple(entry) for entry in calls.values()]
+            else:
+                choice = client.chat.completions.create(**kwargs).choices[0]  # type: ignore[call-overload]
+                finish, content = choice.finish_reason, choice.message.content or ""
+                found = [
+                    (c.function.name, c.function.arguments) for c in choice.message.tool_calls or []
+                ]
+            if finish != "length":
+                assert finish == "tool_calls"
+                continue
+            assert "<tool_call" not in content, content
+            assert "arguments" not in content, content
+            for name, arguments in found:
+                assert name == "get_weather"
+                assert "</tool_call>" not in arguments
+                truncated += 1
+    assert truncated, "no max_tokens value cut a call inside its arguments"
+
+
+# -- vLLM's structured-output fields, as outlines' from_vllm and vLLM clients send them ---------
+
+
+def test_vllm_guided_fields_constrain_the_answer(client: openai.OpenAI) -> None:
+    choices = ["sunny", "rainy day", 'say "hi"']
+    for seed in (1, 2, 3):
+        answer = client.chat.completions.create(
+            model="tiny",
+            messages=MESSAGES,
+            max_tokens=32,
+            temperature=1.0,
+            seed=seed,
+            extra_body={"guided_choice": choices},
+        )
+        assert answer.choices[0].message.content in choices
+        completion = client.completions.create(
+            model="tiny",
+            prompt="Code:",
+            max_tokens=16,
+            temperature=1.0,
+            seed=seed,
+            extra_body={"guided_regex": "[A-Z]{2}-[0-9]{3}"},
+        )
+        assert re.fullmatch(r"[A-Z]{2}-[0-9]{3}", completion.choices[0].text)
+        answer = client.chat.completions.create(
+            model="tiny",
+            messages=MESSAGES,
+            max_tokens=96,
+            temperature=1.0,
+            seed=seed,
+            extra_body={"structured_outputs": {"json": UNSORTED}},
+        )
+        value = json.loads(answer.choices[0].message.content or "")
+        jsonschema.validate(value, UNSORTED)
+        assert list(value) == ["unit", "temp", "city"]
+
+
+def test_vllm_fields_it_cannot_honour_are_a_400_naming_them(client: openai.OpenAI) -> None:
+    for body, param in (
+        ({"allowed_token_ids": [5, 6]}, "allowed_token_ids"),
+        ({"guided_regex": "(unclosed"}, "guided_regex"),
+        ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+        ({"chat_template": "{{ 1 }}"}, "chat_template"),
+    ):
+        with pytest.raises(openai.BadRequestError) as raised:
+            client.chat.completions.create(
+                model="tiny", messages=MESSAGES, max_tokens=4, extra_body=body
+            )
+        assert raised.value.param == param, (body, raised.value.body)
+
+
+def test_continue_final_message_continues_the_assistant_turn(server: str) -> None:
+    messages = [*MESSAGES, {"role": "assistant", "content": "The weather in Oslo is"}]
+
+    def prompt_tokens(**fields: object) -> int:
+        body = {"model": "tiny", "messages": messages, "max_tokens": 2, **fields}
+        response = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        return int(response.json()["usage"]["prompt_tokens"])
+
+    closed = prompt_tokens(add_generation_prompt=False)
+    continued = prompt_tokens(add_generation_prompt=False, continue_final_message=True)
+    assert continued < closed  # the assistant turn's end-of-turn tokens are left off
