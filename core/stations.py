@@ -122,6 +122,12 @@ class ServerSettings:
     max_connections: int = option(
         2048, help="open connections beyond this are closed at once (new requests: 503)", ge=1
     )
+    metrics_names: str = option(
+        "brigade",
+        help="/metrics names: brigade (brigade:*), vllm (vLLM's vllm:* names and labels, for "
+        "dashboards built for vLLM) or both",
+        choices=("brigade", "vllm", "both"),
+    )
 
 
 @dataclasses.dataclass(frozen=True)

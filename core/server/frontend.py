@@ -104,6 +104,7 @@ class Frontend:
         extra: Mapping[str, ExtraValue] = EMPTY_EXTRA,
     ) -> None:
         first_token_at: float | None = None
+        scheduled_at = arrival
         last_token_at = arrival
         finish_reason = "abort"
         try:
@@ -119,8 +120,10 @@ class Frontend:
                 now = time.monotonic()
                 if first_token_at is None:
                     first_token_at = now
-                    scheduled = update.request.first_scheduled_time or now
-                    self.metrics.observe_first_token(now - arrival, max(0.0, scheduled - arrival))
+                    scheduled_at = update.request.first_scheduled_time or now
+                    self.metrics.observe_first_token(
+                        now - arrival, max(0.0, scheduled_at - arrival)
+                    )
                 else:
                     self.metrics.observe_inter_token(now - last_token_at)
                 last_token_at = now
@@ -147,25 +150,32 @@ class Frontend:
             return
         finally:
             if first_token_at is not None:
-                self._finished(choice, admission, arrival, first_token_at, finish_reason, out)
+                self._finished(
+                    choice, admission, (arrival, scheduled_at, first_token_at), finish_reason, out
+                )
         out.put_nowait(None)
 
     def _finished(
         self,
         choice: Choice,
         admission: Admission,
-        arrival: float,
-        first_token_at: float,
+        times: tuple[float, float, float],
         finish_reason: str,
         out: asyncio.Queue[ChoiceDelta | BaseException | None],
     ) -> None:
         """Metrics and the finish log line; a failure there (stderr closed, ...) goes to the
         consumer like any other, so that the response ends rather than waits for this choice."""
         now = time.monotonic()
+        arrival, scheduled_at, first_token_at = times  # monotonic: arrival, 1st step, 1st token
         prompt_tokens = len(admission.prompt_token_ids)
         try:
             self.metrics.observe_finished(
-                prompt_tokens, choice.num_tokens, now - arrival, finish_reason
+                prompt_tokens,
+                choice.num_tokens,
+                now - arrival,
+                finish_reason,
+                prefill_s=first_token_at - scheduled_at,
+                decode_s=now - first_token_at,
             )
             with structlog.contextvars.bound_contextvars(request_id=choice.request_id):
                 log_request_finished(

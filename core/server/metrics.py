@@ -2,13 +2,17 @@
 
 Every server owns a private :class:`prometheus_client.CollectorRegistry`, so several servers (or
 tests) in one process never clash over metric names, and nothing lands in the global default
-registry. All names carry the ``brigade:`` prefix and a ``model_name`` label.
+registry. Names carry the ``brigade:`` prefix and a ``model_name`` label, or vLLM's ``vllm:``
+names with its ``model_name`` and ``engine`` labels (``[server] metrics_names``), or both.
 
 Labelled children are bound once in the constructor, so an ``observe_*`` call only updates
 pre-bound objects (no label lookup, no allocation) and is cheap enough to run once per token.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -21,7 +25,7 @@ from prometheus_client import (
 
 from brigade.interfaces import STRUCTURED_OUTPUT_KINDS
 
-__all__ = ["FINISH_REASONS", "ServerMetrics"]
+__all__ = ["FINISH_REASONS", "METRIC_NAMES", "ServerMetrics"]
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 """Values of the ``finished_reason`` label (the terminal ``RequestStatus`` values, and
@@ -51,92 +55,183 @@ QUEUE_BUCKETS = (
 )  # fmt: skip
 
 
+TOKEN_BUCKETS = (
+    1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000,
+)  # fmt: skip
+"""Per-request prompt and generation lengths, in tokens."""
+METRIC_NAMES = ("brigade", "vllm", "both")
+"""``[server] metrics_names``: Brigade's names, vLLM's, or both side by side."""
+VLLM_ENGINE = "0"
+"""The ``engine`` label vLLM puts on every series (one engine per server here)."""
+
+
+class _Series:
+    """One metric under every configured name (``brigade:x`` and/or ``vllm:x``), bound to its
+    labels: an update is one call per name, no label lookup."""
+
+    def __init__(self, children: list[Any]) -> None:
+        self.children = children
+
+    def observe(self, value: float) -> None:
+        for child in self.children:
+            child.observe(value)
+
+    def inc(self, value: float = 1.0) -> None:
+        for child in self.children:
+            child.inc(value)
+
+    def set(self, value: float) -> None:
+        for child in self.children:
+            child.set(value)
+
+
 class ServerMetrics:
     """The serving metrics of one model, in a registry of their own.
 
     Request-level figures come from the server as requests progress (:meth:`observe_first_token`,
     :meth:`observe_inter_token`, :meth:`observe_finished`); engine-level figures from a periodic
     :meth:`observe_engine` with the engine's ``SchedulerStats`` and ``KVStats``.
+
+    ``names`` picks the names: ``brigade`` (``brigade:*``, label ``model_name``), ``vllm``
+    (vLLM's ``vllm:*`` names with its ``model_name`` and ``engine`` labels, so dashboards built
+    for vLLM work unchanged) or ``both``.
     """
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, *, names: str = "brigade") -> None:
+        if names not in METRIC_NAMES:
+            raise ValueError(f"metric names {names!r}: expected one of {METRIC_NAMES}")
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
         registry = self.registry
-        label = ["model_name"]
+        self._flavours: list[tuple[str, list[str], list[str]]] = []
+        """(prefix, label names, label values) of each configured naming."""
+        if names in ("brigade", "both"):
+            self._flavours.append(("brigade:", ["model_name"], [model_name]))
+        if names in ("vllm", "both"):
+            self._flavours.append(("vllm:", ["model_name", "engine"], [model_name, VLLM_ENGINE]))
 
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, label, registry=registry, buckets=buckets).labels(
-                model_name
+        def make(kind: Any, name: str, doc: str, **kwargs: Any) -> _Series:
+            return _Series(
+                [
+                    kind(prefix + name, doc, labels, registry=registry, **kwargs).labels(*values)
+                    for prefix, labels, values in self._flavours
+                ]
             )
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, label, registry=registry).labels(model_name)
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> _Series:
+            return make(Histogram, name, doc, buckets=buckets)
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, label, registry=registry).labels(model_name)
+        def gauge(name: str, doc: str) -> _Series:
+            return make(Gauge, name, doc)
+
+        def counter(name: str, doc: str) -> _Series:
+            return make(Counter, name, doc)
+
+        def by_label(kind: Any, name: str, doc: str, label: str, values: Sequence[str]) -> dict:
+            families = [
+                (kind(prefix + name, doc, [*labels, label], registry=registry), base)
+                for prefix, labels, base in self._flavours
+            ]
+            return {v: _Series([f.labels(*base, v) for f, base in families]) for v in values}
 
         self._ttft = histogram(
-            "brigade:time_to_first_token_seconds",
+            "time_to_first_token_seconds",
             "Time from arrival to the first generated token.",
             TTFT_BUCKETS,
         )
         self._inter_token = histogram(
-            "brigade:inter_token_latency_seconds",
+            "inter_token_latency_seconds",
             "Time between consecutive generated tokens of one request.",
             INTER_TOKEN_BUCKETS,
         )
+        self._tpot = histogram(
+            "time_per_output_token_seconds",
+            "Time per output token after the first (vLLM's name; the same gaps as "
+            "inter_token_latency_seconds).",
+            INTER_TOKEN_BUCKETS,
+        )
         self._e2e = histogram(
-            "brigade:e2e_request_latency_seconds",
+            "e2e_request_latency_seconds",
             "Time from arrival to the end of a request, however it finished.",
             E2E_BUCKETS,
         )
         self._queue_time = histogram(
-            "brigade:request_queue_time_seconds",
+            "request_queue_time_seconds",
             "Time a request waited before its first scheduled step.",
             QUEUE_BUCKETS,
         )
-        self._num_running = gauge("brigade:num_requests_running", "Requests being run.")
-        self._num_waiting = gauge("brigade:num_requests_waiting", "Requests waiting to run.")
-        self._kv_usage = gauge(
-            "brigade:kv_cache_usage_perc", "Fraction of KV pages in use (1 means full)."
+        self._prefill_time = histogram(
+            "request_prefill_time_seconds",
+            "Time from a request's first scheduled step to its first token.",
+            E2E_BUCKETS,
         )
-        self._prompt_tokens = counter("brigade:prompt_tokens_total", "Prompt tokens processed.")
+        self._decode_time = histogram(
+            "request_decode_time_seconds",
+            "Time from a request's first token to its end.",
+            E2E_BUCKETS,
+        )
+        self._request_prompt = histogram(
+            "request_prompt_tokens", "Prompt tokens of each finished request.", TOKEN_BUCKETS
+        )
+        self._request_generation = histogram(
+            "request_generation_tokens",
+            "Tokens generated by each finished request.",
+            TOKEN_BUCKETS,
+        )
+        self._request_max_generation = histogram(
+            "request_max_num_generation_tokens",
+            "Most tokens generated by one choice of each finished request (one choice each).",
+            TOKEN_BUCKETS,
+        )
+        self._num_running = gauge("num_requests_running", "Requests being run.")
+        self._num_waiting = gauge("num_requests_waiting", "Requests waiting to run.")
+        self._kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV pages in use (1 means full).")
+        self._gpu_cache_usage = (
+            _Series(
+                [
+                    Gauge(
+                        "vllm:gpu_cache_usage_perc",
+                        "Fraction of KV pages in use (vLLM's older name of kv_cache_usage_perc).",
+                        ["model_name", "engine"],
+                        registry=registry,
+                    ).labels(model_name, VLLM_ENGINE)
+                ]
+            )
+            if names in ("vllm", "both")
+            else _Series([])
+        )
+        self._prompt_tokens = counter("prompt_tokens_total", "Prompt tokens processed.")
         self._generation_tokens = counter(
-            "brigade:generation_tokens_total", "Tokens generated (returned to clients)."
+            "generation_tokens_total", "Tokens generated (returned to clients)."
         )
         self._prefix_queries = counter(
-            "brigade:prefix_cache_queries_total", "Tokens looked up in the prefix cache."
+            "prefix_cache_queries_total", "Tokens looked up in the prefix cache."
         )
         self._prefix_hits = counter(
-            "brigade:prefix_cache_hits_total", "Of the tokens looked up, those found cached."
+            "prefix_cache_hits_total", "Of the tokens looked up, those found cached."
         )
-        self._preemptions = counter(
-            "brigade:num_preemptions_total", "Requests preempted to free KV pages."
-        )
-        success = Counter(
-            "brigade:request_success_total",
+        self._preemptions = counter("num_preemptions_total", "Requests preempted to free KV pages.")
+        self._success = by_label(
+            Counter,
+            "request_success_total",
             "Requests finished, by finish reason.",
-            ["model_name", "finished_reason"],
-            registry=registry,
+            "finished_reason",
+            FINISH_REASONS,
         )
-        self._success = {reason: success.labels(model_name, reason) for reason in FINISH_REASONS}
-        structured = Counter(
-            "brigade:structured_output_requests_total",
+        self._structured = by_label(
+            Counter,
+            "structured_output_requests_total",
             "Requests with a grammar (response_format or tool calls), by grammar kind.",
-            ["model_name", "kind"],
-            registry=registry,
+            "kind",
+            STRUCTURED_OUTPUT_KINDS,
         )
-        self._structured = {
-            kind: structured.labels(model_name, kind) for kind in STRUCTURED_OUTPUT_KINDS
-        }
         self._grammar_wait = histogram(
-            "brigade:grammar_wait_seconds",
+            "grammar_wait_seconds",
             "Time a request waited for its compiled grammar (near 0 on a cache hit).",
             GRAMMAR_BUCKETS,
         )
         self._grammar_errors = counter(
-            "brigade:grammar_errors_total",
+            "grammar_errors_total",
             "Requests refused because their schema, regex or grammar was invalid.",
         )
         # Previous cumulative engine totals; the counters advance by the difference.
@@ -152,11 +247,21 @@ class ServerMetrics:
     def observe_inter_token(self, seconds: float) -> None:
         """Record the gap between two consecutive tokens of one request."""
         self._inter_token.observe(seconds)
+        self._tpot.observe(seconds)
 
     def observe_finished(
-        self, prompt_tokens: int, generation_tokens: int, e2e_s: float, finish_reason: str
+        self,
+        prompt_tokens: int,
+        generation_tokens: int,
+        e2e_s: float,
+        finish_reason: str,
+        *,
+        prefill_s: float | None = None,
+        decode_s: float | None = None,
     ) -> None:
-        """Record a finished request: its token counts, its latency and why it finished.
+        """Record a finished request: its token counts, its latency and why it finished;
+        ``prefill_s`` (first scheduled step to first token) and ``decode_s`` (first token to
+        the end) when it got a token.
 
         ``finish_reason`` is one of :data:`FINISH_REASONS`; anything else raises ``ValueError``
         (a label value outside a fixed set would grow the series without bound).
@@ -170,6 +275,13 @@ class ServerMetrics:
         self._prompt_tokens.inc(prompt_tokens)
         self._generation_tokens.inc(generation_tokens)
         self._e2e.observe(e2e_s)
+        self._request_prompt.observe(prompt_tokens)
+        self._request_generation.observe(generation_tokens)
+        self._request_max_generation.observe(generation_tokens)
+        if prefill_s is not None:
+            self._prefill_time.observe(max(0.0, prefill_s))
+        if decode_s is not None:
+            self._decode_time.observe(max(0.0, decode_s))
 
     def observe_grammar(self, kind: str, wait_s: float, *, valid: bool) -> None:
         """Record a request's grammar: its kind, the wait for its compilation, and whether it
@@ -185,16 +297,17 @@ class ServerMetrics:
             self._grammar_errors.inc()
 
     def set_components(self, components: dict[str, str]) -> None:
-        """Publish which plugin runs each station (``brigade:engine_info``, value 1), so
+        """Publish which plugin runs each station (``<prefix>engine_info``, value 1), so
         dashboards can compare policies side by side."""
         names = sorted(components)
-        info = Gauge(
-            "brigade:engine_info",
-            "The plugin of each station (value is always 1).",
-            ["model_name", *names],
-            registry=self.registry,
-        )
-        info.labels(self.model_name, *(components[n] for n in names)).set(1)
+        for prefix, labels, values in self._flavours:
+            info = Gauge(
+                prefix + "engine_info",
+                "The plugin of each station (value is always 1).",
+                [*labels, *names],
+                registry=self.registry,
+            )
+            info.labels(*values, *(components[n] for n in names)).set(1)
 
     def observe_engine(
         self,
@@ -216,7 +329,9 @@ class ServerMetrics:
         """
         self._num_running.set(num_running)
         self._num_waiting.set(num_waiting)
-        self._kv_usage.set(min(max(kv_usage, 0.0), 1.0))
+        usage = min(max(kv_usage, 0.0), 1.0)
+        self._kv_usage.set(usage)
+        self._gpu_cache_usage.set(usage)
         if prefix_cache_queries > self._last_prefix_queries:
             self._prefix_queries.inc(prefix_cache_queries - self._last_prefix_queries)
         if prefix_cache_hits > self._last_prefix_hits:

@@ -35,7 +35,7 @@ def build_state(config: EngineConfig, registry: Registry) -> ServerState:
         tokenizer, config["detokenizer"].options
     )
     model_name = settings.served_model_name or engine.checkpoint.name
-    metrics = ServerMetrics(model_name)
+    metrics = ServerMetrics(model_name, names=settings.metrics_names)
     metrics.set_components(config.components)
     async_engine = AsyncEngine(engine, max_waiting_requests=settings.max_waiting_requests)
     return ServerState(
