@@ -104,7 +104,7 @@ async def completion(
     or the SSE stream of its chunks."""
     texts = body.prompts()
     check_batch_size(len(texts), state.settings)
-    prompts = await state.run_blocking(_encode_prompts, state, texts)
+    prompts = await state.run_blocking(_encode_prompts, state, texts, body.add_special_tokens)
     longest = max(len(p) for p in prompts)
     params = proto.sampling_params(
         body,
@@ -220,10 +220,12 @@ def encode_text(state: ServerState, text: str, add_special_tokens: bool) -> list
     return [int(t) for t in state.tokenizer.encode(text, add_special_tokens=add_special_tokens)]
 
 
-def _encode_prompts(state: ServerState, prompts: Sequence[str | list[int]]) -> list[list[int]]:
+def _encode_prompts(
+    state: ServerState, prompts: Sequence[str | list[int]], add_special_tokens: bool = True
+) -> list[list[int]]:
     """Token ids of each prompt (text is encoded; runs on the tokenizer threads)."""
     return [
-        [int(t) for t in state.tokenizer.encode(p)] if isinstance(p, str) else list(p)
+        encode_text(state, p, add_special_tokens) if isinstance(p, str) else list(p)
         for p in prompts
     ]
 

@@ -152,6 +152,9 @@ class _SamplingFields(msgspec.Struct, kw_only=True, dict=True):
     truncate_prompt_tokens: Any = None
     prompt_logprobs: Any = None
     use_beam_search: bool = False
+    logits_processors: Any = None
+    return_tokens_as_token_ids: bool = False
+    spaces_between_special_tokens: bool = True
 
     def _check_common(self) -> None:
         for name in _ANY_FIELDS:
@@ -163,6 +166,8 @@ class _SamplingFields(msgspec.Struct, kw_only=True, dict=True):
         for name, feature in _REFUSED_VLLM_FIELDS:
             if getattr(self, name) not in (None, False, []):
                 _unsupported(name, feature)
+        if not self.spaces_between_special_tokens:
+            _unsupported("spaces_between_special_tokens", "joining special tokens without spaces")
         if self.guided_decoding_backend not in (None, "", "auto", "xgrammar"):
             raise ProtocolError(
                 f"guided_decoding_backend {self.guided_decoding_backend!r} is not available: "
@@ -235,6 +240,9 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     """vLLM extension: extra variables for the chat template (e.g. ``enable_thinking``)."""
     chat_template: str | None = None
     echo: bool = False
+    add_special_tokens: bool = False
+    """vLLM extension: only false (the template adds the special tokens it wants)."""
+    documents: Any = None
 
     def __post_init__(self) -> None:
         self._check_common()
@@ -257,6 +265,10 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
             _unsupported("chat_template", "a chat template per request; set [model] chat_template")
         if self.echo:
             _unsupported("echo", "echoing the last message")
+        if self.add_special_tokens:
+            _unsupported("add_special_tokens", "special tokens added on top of the template's")
+        if self.documents is not None:
+            _unsupported("documents", "documents for the chat template")
         _check_messages(self.messages)
         self.template_kwargs()  # validates continue_final_message and chat_template_kwargs
 
@@ -319,6 +331,8 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     best_of: int | None = None
     echo: bool | None = None
     suffix: str | None = None
+    add_special_tokens: bool = True
+    """vLLM extension: false encodes a text prompt without the tokenizer's special tokens."""
 
     def __post_init__(self) -> None:
         self._check_common()
@@ -645,6 +659,11 @@ _REFUSED_VLLM_FIELDS = (
     ("truncate_prompt_tokens", "truncating the prompt"),
     ("prompt_logprobs", "log probabilities of the prompt"),
     ("use_beam_search", "beam search"),
+    (
+        "logits_processors",
+        "logits processors per request; the server's are [sampler] logits_processors",
+    ),
+    ("return_tokens_as_token_ids", "token ids in place of token strings"),
 )
 """vLLM request fields that would change the answer and that Brigade does not implement."""
 _TEMPLATE_ARGUMENTS = frozenset(

@@ -82,6 +82,9 @@ def test_guided_choice_is_exactly_one_of_the_strings() -> None:
         ({"truncate_prompt_tokens": 8}, "truncate_prompt_tokens"),
         ({"prompt_logprobs": 1}, "prompt_logprobs"),
         ({"use_beam_search": True}, "use_beam_search"),
+        ({"logits_processors": ["x"]}, "logits_processors"),
+        ({"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
+        ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
     ],
 )
 def test_what_is_not_enforced_is_a_400_naming_the_field(fields: dict[str, Any], param: str) -> None:
@@ -99,6 +102,8 @@ def test_tools_and_a_guided_field_do_not_mix() -> None:
     [
         ({"chat_template": "{{ messages }}"}, "chat_template"),
         ({"echo": True}, "echo"),
+        ({"add_special_tokens": True}, "add_special_tokens"),
+        ({"documents": [{"text": "x"}]}, "documents"),
         ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
         ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
         ({"continue_final_message": True}, "continue_final_message"),  # generation prompt on
@@ -122,3 +127,23 @@ def test_chat_template_kwargs_and_continuing_the_last_message_reach_the_template
     )
     assert request.template_kwargs() == {"enable_thinking": False, "continue_final_message": True}
     assert decode().template_kwargs() == {}
+
+
+def test_completions_encode_without_special_tokens_when_asked() -> None:
+    from types import SimpleNamespace
+
+    from brigade.server.generation import _encode_prompts
+
+    seen: list[bool] = []
+
+    class Tokenizer:
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            seen.append(add_special_tokens)
+            return [1, 2] if add_special_tokens else [2]
+
+    state: Any = SimpleNamespace(tokenizer=Tokenizer())
+    assert decode(CompletionRequest).add_special_tokens is True
+    flag = decode(CompletionRequest, add_special_tokens=False).add_special_tokens
+    assert _encode_prompts(state, ["hi", [7, 8]], flag) == [[2], [7, 8]]
+    assert _encode_prompts(state, ["hi"]) == [[1, 2]]
+    assert seen == [False, True]
