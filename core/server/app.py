@@ -28,6 +28,7 @@ from brigade.server.guards import (
     unless_disconnected,
 )
 from brigade.server.openapi import document_api
+from brigade.server.responses_api import ResponsesRequest, create_response
 from brigade.server.state import JSON, ServerState, json_response
 from brigade.version import installed_version
 
@@ -162,7 +163,26 @@ def _handlers(state: ServerState) -> list[Any]:
         _check_model(state, body.model)
         return await unless_disconnected(request, completion(state, request, body))
 
-    return [health, ping, version, metrics, models, model, tokenize, detokenize, chat, completions]
+    @post("/v1/responses", status_code=200)
+    async def responses(request: Request[Any, Any, Any]) -> Response[Any] | Stream:
+        raw = await read_body(request, state.settings)
+        body = proto.decode_json(raw, ResponsesRequest)
+        _check_model(state, body.model)
+        return await unless_disconnected(request, create_response(state, request, body))
+
+    return [
+        health,
+        ping,
+        version,
+        metrics,
+        models,
+        model,
+        tokenize,
+        detokenize,
+        chat,
+        completions,
+        responses,
+    ]
 
 
 def _status(state: ServerState) -> str:

@@ -5,6 +5,7 @@ stream."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from typing import Any
@@ -29,13 +30,26 @@ from brigade.server.errors import (
 from brigade.server.guards import charge_rate_limit, check_batch_size, check_context
 from brigade.server.state import ServerState, json_response
 
-__all__ = ["chat_completion", "chat_prompt", "completion", "encode_text"]
+__all__ = ["ChatRun", "chat_completion", "chat_prompt", "completion", "encode_text", "start_chat"]
 
 
-async def chat_completion(
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChatRun:
+    """A chat request admitted and started: its prompt, its parameters and its deltas."""
+
+    prompt: list[int]
+    params: SamplingParams
+    deltas: AsyncGenerator[ChoiceDelta, None]
+    calls_tools: bool
+    """The answer may hold ``<tool_call>`` blocks (the request has tools)."""
+    response_id: str
+
+
+async def start_chat(
     state: ServerState, request: Request[Any, Any, Any], body: proto.ChatCompletionRequest
-) -> Response[out.ChatCompletion] | Stream:
-    """Answer a decoded chat request: a ``chat.completion``, or the SSE stream of its chunks."""
+) -> ChatRun:
+    """Render, admit and start a decoded chat request (for chat completions and for the
+    Responses API); errors are HTTP errors, raised before any token is generated."""
     prompt = await state.run_blocking(
         chat_prompt,
         state,
@@ -67,6 +81,16 @@ async def chat_completion(
         ),
         prompt_param="messages",
     )
+    return ChatRun(prompt, params, deltas, calls_tools, response_id)
+
+
+async def chat_completion(
+    state: ServerState, request: Request[Any, Any, Any], body: proto.ChatCompletionRequest
+) -> Response[out.ChatCompletion] | Stream:
+    """Answer a decoded chat request: a ``chat.completion``, or the SSE stream of its chunks."""
+    run = await start_chat(state, request, body)
+    prompt, params, deltas, calls_tools = run.prompt, run.params, run.deltas, run.calls_tools
+    response_id = run.response_id
     want_logprobs = params.logprobs is not None
     if body.stream:
         return _sse(

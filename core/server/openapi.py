@@ -27,6 +27,7 @@ from brigade.admission import FLOAT32_MAX
 from brigade.server import protocol as proto
 from brigade.server import responses as out
 from brigade.server.errors import ErrorResponse
+from brigade.server.responses_api import ResponsesRequest
 
 __all__ = ["document_api"]
 
@@ -35,6 +36,7 @@ _REF = "#/components/schemas/{name}"
 _BODIES: dict[str, type] = {
     "/v1/chat/completions": proto.ChatCompletionRequest,
     "/v1/completions": proto.CompletionRequest,
+    "/v1/responses": ResponsesRequest,
     "/tokenize": proto.TokenizeRequest,
     "/detokenize": proto.DetokenizeRequest,
 }
@@ -46,7 +48,7 @@ _ANSWERS: dict[str, type] = {
     "/v1/models": out.ModelList,
     "/v1/models/{model_id}": out.ModelCard,
 }
-_STREAMING = ("/v1/chat/completions", "/v1/completions")
+_STREAMING = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 
 _ERRORS = {
     400: "Invalid request: malformed JSON, a wrong type or value (`param` names the field)",
