@@ -79,6 +79,20 @@ _HEALTH = {
     },
     "required": ["status"],
 }
+_RESPONSE = {
+    "description": "A Responses API `response` object (id, object, created_at, model, status, "
+    "output items, usage, ...), as OpenAI's",
+    "type": "object",
+    "properties": {
+        "id": {"type": "string"},
+        "object": {"enum": ["response"]},
+        "status": {"enum": ["completed", "incomplete"]},
+        "output": {"type": "array", "items": {"type": "object"}},
+    },
+    "required": ["id", "object", "status", "output"],
+}
+_UNTYPED_ANSWERS: dict[str, dict[str, Any]] = {"/v1/responses": _RESPONSE}
+"""Answers built as plain JSON (no msgspec struct), documented by hand."""
 _VERSION = {
     "type": "object",
     "properties": {"version": {"type": "string"}},
@@ -181,6 +195,9 @@ def _responses(path: str, has_body: bool) -> dict[int, OpenAPIResponse]:
     success = OpenAPIResponse(description="Success", content={})
     if answer is not None:
         cast(dict[str, OpenAPIMediaType], success.content)[JSON] = _media(_ref(answer))
+    elif path in _UNTYPED_ANSWERS:
+        untyped = _media(cast(Any, _UNTYPED_ANSWERS[path]))
+        cast(dict[str, OpenAPIMediaType], success.content)[JSON] = untyped
     if path in _STREAMING:
         events = _media(cast(Any, _EVENT))
         cast(dict[str, OpenAPIMediaType], success.content)["text/event-stream"] = events
