@@ -115,14 +115,15 @@ def test_text_format_json_schema_is_enforced_in_schema_order(client: openai.Open
 
 
 def test_function_calls_and_their_outputs(client: openai.OpenAI) -> None:
-    response = client.responses.create(
-        model="tiny",
-        input="Weather in Oslo?",
-        tools=[WEATHER],  # type: ignore[list-item]
-        tool_choice="required",
-        max_output_tokens=96,
-        temperature=1.0,
-    )
+    must_call = {
+        "model": "tiny",
+        "input": "Weather in Oslo?",
+        "tools": [WEATHER],
+        "tool_choice": "required",
+        "max_output_tokens": 96,
+        "temperature": 1.0,
+    }
+    response = client.responses.create(**must_call)  # type: ignore[call-overload]
     calls = [item for item in response.output if item.type == "function_call"]
     assert calls
     assert response.status == "completed"
@@ -153,14 +154,7 @@ def test_function_calls_and_their_outputs(client: openai.OpenAI) -> None:
     )
     assert follow_up.output_text
     streamed = []
-    with client.responses.stream(
-        model="tiny",
-        input="Weather in Oslo?",
-        tools=[WEATHER],  # type: ignore[list-item]
-        tool_choice="required",
-        max_output_tokens=96,
-        temperature=1.0,
-    ) as stream:
+    with client.responses.stream(**must_call) as stream:  # type: ignore[arg-type]
         for event in stream:
             if event.type == "response.function_call_arguments.done":
                 streamed.append(event.arguments)

@@ -25,6 +25,7 @@ from brigade.testing.conformance.scheduler import (
     PolicyReport,
     build_scheduler,
     check_scheduler,
+    finish_step,
     simulate,
 )
 
@@ -42,6 +43,7 @@ __all__ = [
     "check_model_architecture",
     "check_sampler",
     "check_scheduler",
+    "finish_step",
     "make_sampling_batch",
     "simulate",
 ]

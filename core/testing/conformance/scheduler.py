@@ -25,7 +25,7 @@ from brigade.interfaces import (
 from brigade.scheduling import BatchScheduler
 from brigade.swap import SwapSpace
 
-__all__ = ["PolicyReport", "build_scheduler", "check_scheduler", "simulate"]
+__all__ = ["PolicyReport", "build_scheduler", "check_scheduler", "finish_step", "simulate"]
 
 PolicyFactory = Callable[[SchedulerView, Any], SchedulingPolicy]
 KVFactory = Callable[[KVPoolParams, Any], KVManager]
@@ -86,23 +86,33 @@ def simulate(
             scheduler.add(request)
         plan = scheduler.schedule()
         _check_plan(scheduler, kv, plan, page_size)
-        finished: list[Request] = []
-        for item in plan.scheduled:
-            request = item.request
-            if request.num_computed_tokens + item.num_new_tokens == request.num_tokens:
-                request.output_token_ids.append(7 + len(plans) % 50)
-                if request.num_output_tokens >= request.sampling_params.max_tokens:
-                    request.status = RequestStatus.FINISHED_LENGTH
-                    finished.append(request)
-        scheduler.update(plan, finished)
-        for item in plan.scheduled:
-            kv.commit(item.request)
-        for request in finished:
-            kv.free(request)
+        finish_step(scheduler, kv, plan, 7 + len(plans) % 50)
         plans.append(plan)
         if clock is not None:
             clock[0] += 1.0
     return plans
+
+
+def finish_step(
+    scheduler: BatchScheduler, kv: KVManager, plan: SchedulerOutput, token_id: int
+) -> list[Request]:
+    """Finish a planned step without a model, as core does: append ``token_id`` to every
+    request whose last known token was computed, finish those at ``max_tokens``, then
+    ``update``, ``commit`` and free the finished; returns them."""
+    finished: list[Request] = []
+    for item in plan.scheduled:
+        request = item.request
+        if request.num_computed_tokens + item.num_new_tokens == request.num_tokens:
+            request.output_token_ids.append(token_id)
+            if request.num_output_tokens >= request.sampling_params.max_tokens:
+                request.status = RequestStatus.FINISHED_LENGTH
+                finished.append(request)
+    scheduler.update(plan, finished)
+    for item in plan.scheduled:
+        kv.commit(item.request)
+    for request in finished:
+        kv.free(request)
+    return finished
 
 
 def check_scheduler(

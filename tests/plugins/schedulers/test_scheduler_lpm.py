@@ -12,7 +12,7 @@ from brigade.plugins.kv.radix import RadixKVManager, RadixKVOptions
 from brigade.plugins.schedulers.cache_aware import LongestPrefixOptions, LongestPrefixPolicy
 from brigade.plugins.schedulers.fcfs import FcfsOptions, FcfsPolicy
 from brigade.scheduling import BatchScheduler
-from brigade.testing.conformance import build_scheduler, check_scheduler
+from brigade.testing.conformance import build_scheduler, check_scheduler, finish_step
 from brigade.testing.requests import make_request
 
 PAGE = 4
@@ -48,19 +48,10 @@ def admission_order(scheduler: BatchScheduler, kv: KVManager) -> list[str]:
     started: list[str] = []
     while scheduler.has_unfinished():
         plan = scheduler.schedule()
-        finished = []
         for item in plan.scheduled:
-            request = item.request
-            if request.request_id not in started:
-                started.append(request.request_id)
-            if request.num_computed_tokens + item.num_new_tokens == request.num_tokens:
-                request.output_token_ids.append(9)
-                finished.append(request)
-        scheduler.update(plan, finished)
-        for item in plan.scheduled:
-            kv.commit(item.request)
-        for request in finished:
-            kv.free(request)
+            if item.request.request_id not in started:
+                started.append(item.request.request_id)
+        finish_step(scheduler, kv, plan, 9)  # every request here wants one token
     return started
 
 

@@ -22,7 +22,7 @@ from brigade.plugins.kv.paged import PagedKVManager, PagedKVOptions
 from brigade.plugins.schedulers.priority import PriorityOptions, PriorityPolicy
 from brigade.registry import load_registry
 from brigade.scheduling import BatchScheduler
-from brigade.testing.conformance import build_scheduler, check_scheduler, simulate
+from brigade.testing.conformance import build_scheduler, check_scheduler, finish_step, simulate
 from brigade.testing.parity import assert_same_greedy_outputs
 from brigade.testing.requests import make_request
 
@@ -43,19 +43,7 @@ def make(
 def step(scheduler: BatchScheduler, kv: PagedKVManager) -> SchedulerOutput:
     """One engine step without a model, as core runs it (see ``conformance.simulate``)."""
     plan = scheduler.schedule()
-    finished: list[Request] = []
-    for item in plan.scheduled:
-        request = item.request
-        if request.num_computed_tokens + item.num_new_tokens == request.num_tokens:
-            request.output_token_ids.append(5)
-            if request.num_output_tokens >= request.sampling_params.max_tokens:
-                request.status = RequestStatus.FINISHED_LENGTH
-                finished.append(request)
-    scheduler.update(plan, finished)
-    for item in plan.scheduled:
-        kv.commit(item.request)
-    for request in finished:
-        kv.free(request)
+    finish_step(scheduler, kv, plan, 5)
     return plan
 
 
