@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from brigade.errors import RequestError
-from brigade.interfaces import SamplingParams
+from brigade.interfaces import PoolingParams, SamplingParams
 
 __all__ = ["FLOAT32_MAX", "FLOAT32_TINY", "Admission", "check_request"]
 
@@ -50,6 +50,8 @@ class Admission:
     """The compile of ``params.structured_output``, started at admission (None: no grammar).
     It fails with ``ValueError`` saying why when the grammar is invalid; the engine keeps a
     request behind a gate, without pages, until it is done."""
+    pooling: PoolingParams | None = None
+    """Set for an embedding request: the vector to pool from its hidden states."""
 
 
 def check_request(

@@ -27,6 +27,7 @@ from brigade.interfaces import (
     KVManager,
     KVPoolParams,
     LogitsProcessor,
+    PoolingParams,
     Request,
     RequestStatus,
     Sampler,
@@ -37,6 +38,7 @@ from brigade.interfaces import (
     freeze_extra,
 )
 from brigade.persistent_batch import PersistentBatch, StepPlan
+from brigade.pooling import Pooler
 from brigade.registry import Registry
 from brigade.sampling_stage import SampledTokens, SamplingStage, TokenLogprob, describe
 from brigade.scheduling import BatchScheduler
@@ -86,6 +88,8 @@ class StepUpdate:
     its sampling distribution was undefined). Other requests are not affected."""
     invalid: bool = False
     """True when the request itself is at fault (it cannot succeed as sent)."""
+    embedding: list[float] | None = None
+    """An embedding request's vector, on its last update (``Request.pooling``)."""
 
 
 class _FatalStepError(Exception):
@@ -205,6 +209,7 @@ class EngineCore:
             self.device,
             self.vocab_size,
         )
+        self.pooler = Pooler()
         self._pending: list[StepUpdate] = []
         """Updates made outside a step's own rows (refused or failed requests), for its output."""
         self.dead: str | None = None
@@ -222,7 +227,13 @@ class EngineCore:
 
     # -- requests -----------------------------------------------------------------------
 
-    def admit(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> Admission:
+    def admit(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        pooling: PoolingParams | None = None,
+    ) -> Admission:
         """Check that the engine can serve this request and start compiling its grammar.
 
         The one admission of a prompt, whatever front end it comes from: it raises
@@ -231,11 +242,25 @@ class EngineCore:
         parameters. Thread-safe (read-only but for the grammar compile, which runs on the
         grammar stage's pool), so the server admits on its event loop. Await or wait for
         ``grammar`` before answering to report an invalid grammar as the request's error.
+        ``pooling`` makes it an embedding request (nothing is generated; ``params`` only need
+        to be valid), which needs an executor with ``returns_hidden_states``.
         """
         check_request(
             prompt_token_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len
         )
-        return Admission(list(prompt_token_ids), params, self._start_grammar(params))
+        if pooling is None:
+            return Admission(list(prompt_token_ids), params, self._start_grammar(params))
+        if not type(self.executor).returns_hidden_states:
+            raise RequestError(
+                f"embeddings are not available: the executor {self.config.plugin('executor')!r} "
+                "returns no hidden states",
+                param="input",
+            )
+        if params.structured_output is not None:
+            raise RequestError(
+                "an embedding request generates no text to constrain", param="structured_output"
+            )
+        return Admission(list(prompt_token_ids), params, None, pooling=pooling)
 
     def _start_grammar(self, params: SamplingParams) -> concurrent.futures.Future[Any] | None:
         if params.structured_output is None:
@@ -281,6 +306,7 @@ class EngineCore:
             arrival_time=self.clock(),
             priority=priority,
             extra=extra_data,
+            pooling=admission.pooling,
         )
         compiling = False
         if admission.grammar is not None:
@@ -405,11 +431,15 @@ class EngineCore:
                 self.grammar.wait(GRAMMAR_WAIT_S)
             return self._take_pending()
         plan = self.batch.prepare(output.scheduled, self.kv)
-        result = self.executor.execute(plan.model_input)
+        hidden: torch.Tensor | None = None
+        if plan.model_input.hidden_indices is not None:
+            result, hidden = self.executor.execute_with_hidden_states(plan.model_input)
+        else:
+            result = self.executor.execute(plan.model_input)
         self.num_steps += 1
         sampled = self._sample(result, plan)
         try:  # tokens are being handed out: a retry would hand them out twice
-            return self._account(output, plan, sampled)
+            return self._account(output, plan, sampled, hidden)
         except Exception as exc:
             raise _FatalStepError(f"recording the step's tokens failed: {describe(exc)}") from exc
 
@@ -435,19 +465,26 @@ class EngineCore:
         )
 
     def _account(
-        self, output: SchedulerOutput, plan: StepPlan, sampled: SampledTokens
+        self,
+        output: SchedulerOutput,
+        plan: StepPlan,
+        sampled: SampledTokens,
+        hidden: torch.Tensor | None,
     ) -> list[StepUpdate]:
-        """Append the sampled tokens, finish requests, tell the scheduler and the KV manager."""
+        """Append the sampled tokens, pool the embeddings, finish requests, tell the scheduler
+        and the KV manager."""
         requests, rows, tokens = plan.sampled, plan.sampled_rows, sampled.token_ids
         logprobs = sampled.logprobs
         failed = {requests[index]: error for index, error in sampled.failures.items()}
+        updates: list[StepUpdate] = []
+        finished: list[Request] = []
+        if plan.pooled:
+            self._pool(plan, hidden, updates, finished, failed)
         if failed:  # rare: take the failed rows out of the step
             keep = [i for i in range(len(requests)) if i not in sampled.failures]
             requests = tuple(requests[i] for i in keep)
             rows, tokens = [rows[i] for i in keep], [tokens[i] for i in keep]
             logprobs = None if logprobs is None else [logprobs[i] for i in keep]
-        updates: list[StepUpdate] = []
-        finished: list[Request] = []
         if requests:
             positions = [request.num_tokens for request in requests]
             self.batch.append_tokens(rows, positions, tokens)
@@ -490,6 +527,33 @@ class EngineCore:
             return updates
         pending.extend(updates)
         return pending
+
+    def _pool(
+        self,
+        plan: StepPlan,
+        hidden: torch.Tensor | None,
+        updates: list[StepUpdate],
+        finished: list[Request],
+        failed: dict[Request, str],
+    ) -> None:
+        """Hand each embedding request its hidden rows; finish those whose prompt ended."""
+        offset = 0
+        for chunk in plan.pooled:
+            rows = offset
+            offset += chunk.num_rows
+            request = chunk.request
+            error = self.pooler.check(chunk)
+            if error is not None:
+                failed[request] = error
+                continue
+            if not chunk.num_rows:
+                continue
+            assert hidden is not None  # the plan had hidden rows
+            vector = self.pooler.add(chunk, hidden[rows : rows + chunk.num_rows])
+            if vector is not None:
+                request.status = RequestStatus.FINISHED_STOPPED
+                finished.append(request)
+                updates.append(StepUpdate(request, [], None, True, embedding=vector))
 
     def _queue_compiled(self) -> None:
         """Queue the requests whose grammar is compiled; refuse those whose is invalid."""
@@ -562,6 +626,8 @@ class EngineCore:
         self._forget(request)
         if self.hook is not None:
             notify_request_finished(self.hook, request)
+        if request.pooling is not None:
+            self.pooler.drop(request)
 
     def _forget(self, request: Request) -> None:
         self.requests.pop(request.request_id, None)

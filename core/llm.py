@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 from collections.abc import Mapping, Sequence
@@ -11,18 +12,37 @@ from brigade.admission import Admission
 from brigade.config import EngineConfig, load_config
 from brigade.engine import EngineCore
 from brigade.errors import RequestError, RequestFailedError
-from brigade.interfaces import Detokenizer, ExtraValue, SamplingParams, freeze_extra
+from brigade.interfaces import (
+    Detokenizer,
+    ExtraValue,
+    PoolingParams,
+    SamplingParams,
+    freeze_extra,
+)
 from brigade.models.checkpoint import require_tokenizer
 from brigade.models.tokenizer_loading import render_chat_prompt
 from brigade.output import Choice, CompletionOutput, OutputProcessor, RequestOutput
 from brigade.registry import Registry, default_registry
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput"]
+__all__ = ["LLM", "CompletionOutput", "EmbeddingOutput", "RequestOutput"]
 
 PROGRESS_BAR_THRESHOLD = 32
 """Batches of at least this many requests show a progress bar by default."""
 
 Prompt = str | Sequence[int]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EmbeddingOutput:
+    """One prompt's embedding (``LLM.embed``)."""
+
+    prompt: str | None
+    """The prompt's text (None when it was given as token ids)."""
+    prompt_token_ids: list[int]
+    embedding: list[float] | None
+    """The pooled vector (``hidden_size`` floats); None when the request failed."""
+    error: str | None = None
+    """Why the request failed on its own (a plugin raised for it), else None."""
 
 
 class LLM:
@@ -108,6 +128,59 @@ class LLM:
             run.add(choices, outputs, admission, level, data)
         run.until_done(use_tqdm)
         return results
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling: PoolingParams | None = None,
+        *,
+        priority: int = 0,
+    ) -> list[EmbeddingOutput]:
+        """Embed every prompt (text, or a list of token ids) with the served model: its final
+        hidden states pooled by ``pooling`` (default: the last token's, L2-normalized, as
+        vLLM pools decoder models); outputs in prompt order. The prompts run through the
+        engine as batched prefills (chunked, scheduled, on the same KV pool), so embedding
+        and generation share one copy of the weights. Every prompt is validated first: a
+        bad one raises ``RequestError`` and nothing runs."""
+        pooling = pooling or PoolingParams()
+        prompt_list = _as_prompt_list(prompts)
+        admissions = []
+        params = SamplingParams(max_tokens=1)
+        for index, token_ids in enumerate(self._encode(p) for p in prompt_list):
+            try:
+                admissions.append(self.engine.admit(token_ids, params, pooling=pooling))
+            except RequestError as exc:
+                raise RequestError(f"prompt {index}: {exc}", param=exc.param) from None
+        ids = [f"embed-{next(self._ids)}" for _ in prompt_list]
+        results: dict[str, EmbeddingOutput] = {}
+        for request_id, admission in zip(ids, admissions, strict=True):
+            try:
+                self.engine.add_request(
+                    request_id,
+                    admission.prompt_token_ids,
+                    params,
+                    priority=priority,
+                    admission=admission,
+                )
+            except RequestFailedError as exc:
+                results[request_id] = EmbeddingOutput(
+                    None, admission.prompt_token_ids, None, str(exc)
+                )
+        waiting = set(ids) - set(results)
+        while waiting:
+            for update in self.engine.step():
+                if update.finished and update.request.request_id in waiting:
+                    waiting.discard(update.request.request_id)
+                    request = update.request
+                    results[request.request_id] = EmbeddingOutput(
+                        None, request.prompt_token_ids, update.embedding, update.error
+                    )
+        return [
+            dataclasses.replace(
+                results[request_id], prompt=prompt if isinstance(prompt, str) else None
+            )
+            for request_id, prompt in zip(ids, prompt_list, strict=True)
+        ]
 
     def default_sampling_params(self) -> SamplingParams:
         """What ``generate(prompts)`` uses without parameters: the model's recommended

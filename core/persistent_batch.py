@@ -22,7 +22,21 @@ from brigade.interfaces import (
     ScheduledRequest,
 )
 
-__all__ = ["PersistentBatch", "StepPlan"]
+__all__ = ["PersistentBatch", "PooledChunk", "StepPlan"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PooledChunk:
+    """An embedding request's part of a step: which hidden-state rows are its."""
+
+    request: Request
+    num_rows: int
+    """Its rows of the step's hidden states, consecutive, in ``StepPlan.pooled`` order: every
+    token of the chunk (mean pooling) or the prompt's last token (last pooling, last chunk)."""
+    start: int
+    """Tokens computed before this chunk (0: the pooling starts afresh)."""
+    completes: bool
+    """The chunk ends the prompt: the vector can be made."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -34,6 +48,8 @@ class StepPlan:
     """Requests whose last known token is computed this step, in logits-row order."""
     sampled_rows: list[int]
     """Their persistent rows."""
+    pooled: tuple[PooledChunk, ...] = ()
+    """Embedding requests in the step, in hidden-row order (``model_input.hidden_indices``)."""
 
 
 class PersistentBatch:
@@ -98,6 +114,8 @@ class PersistentBatch:
         sampled: list[Request] = []
         sampled_rows: list[int] = []
         logits_rows: list[int] = []
+        pooled: list[PooledChunk] = []
+        hidden_rows: list[int] = []
         num_decodes, token_offset = 0, 0
         for item in sorted(scheduled, key=_prefill_last):
             request, num_new = item.request, item.num_new_tokens
@@ -109,7 +127,15 @@ class PersistentBatch:
             if item.is_decode:
                 num_decodes += 1
             token_offset += num_new
-            if request.num_computed_tokens + num_new == request.num_tokens:
+            completes = request.num_computed_tokens + num_new == request.num_tokens
+            if request.pooling is not None:
+                if request.pooling.needs_every_position:
+                    hidden_rows.extend(range(token_offset - num_new, token_offset))
+                elif completes:
+                    hidden_rows.append(token_offset - 1)
+                count = num_new if request.pooling.needs_every_position else int(completes)
+                pooled.append(PooledChunk(request, count, request.num_computed_tokens, completes))
+            elif completes:
                 sampled.append(request)
                 sampled_rows.append(row)
                 logits_rows.append(token_offset - 1)
@@ -145,8 +171,9 @@ class PersistentBatch:
             max_query_len=int(query_lens.max()),
             max_seq_len=int(seq_lens.max()),
             page_size=self.page_size,
+            hidden_indices=torch.tensor(hidden_rows, dtype=torch.int64) if hidden_rows else None,
         )
-        return StepPlan(model_input, tuple(sampled), sampled_rows)
+        return StepPlan(model_input, tuple(sampled), sampled_rows, tuple(pooled))
 
     def sampling_batch(self, rows: list[int], device: torch.device) -> SamplingBatch:
         """Gather the sampled rows' parameters (host flags, device tensors)."""

@@ -128,6 +128,16 @@ class ServerSettings:
         "dashboards built for vLLM) or both",
         choices=("brigade", "vllm", "both"),
     )
+    embedding_pooling: str = option(
+        "last",
+        help="how /v1/embeddings pools the model's final hidden states: last (the last "
+        "token's, as vLLM pools decoder models) or mean (every token's; such requests skip "
+        "the prefix cache)",
+        choices=("last", "mean"),
+    )
+    embedding_normalize: bool = option(
+        True, help="/v1/embeddings vectors have unit L2 norm (a request's normalize overrides)"
+    )
 
 
 @dataclasses.dataclass(frozen=True)

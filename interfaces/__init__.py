@@ -53,10 +53,16 @@ from brigade.interfaces.sampler import (
     SamplerParams,
     SamplingBatch,
 )
-from brigade.interfaces.sampling import STRUCTURED_OUTPUT_KINDS, SamplingParams, StructuredOutput
+from brigade.interfaces.sampling import (
+    POOLING_MODES,
+    STRUCTURED_OUTPUT_KINDS,
+    PoolingParams,
+    SamplingParams,
+    StructuredOutput,
+)
 from brigade.interfaces.scheduler import SchedulerParams, SchedulerView, SchedulingPolicy
 
-API_VERSION = "2.0"
+API_VERSION = "2.1"
 """The plugin API version, "MAJOR.MINOR". MINOR grows when contracts gain backwards-compatible
 additions (a new optional method, a new field with a default): a plugin built for 2.0 runs on
 2.1, one built for 2.1 is refused by 2.0. MAJOR grows on any change that can break an existing
@@ -106,7 +112,9 @@ __all__ = [
     "COMPONENT_KINDS",
     "EMPTY_EXTRA",
     "FACTORY_ARGUMENTS",
+    "POOLING_MODES",
     "PUBLIC_MODULES",
+    "PoolingParams",
     "STRUCTURED_OUTPUT_KINDS",
     "Allocation",
     "AttentionBackend",

@@ -46,6 +46,10 @@ class ModelInput:
     page_size: int
     """Tokens per KV page: ``slot_mapping`` and ``block_tables`` are in these units, and a
     backend that gathers context by position (sdpa) needs it when it builds its metadata."""
+    hidden_indices: torch.Tensor | None = None
+    """[H] int64 rows of the flat token array whose final hidden states the step also
+    returns (embedding requests; ``Executor.execute_with_hidden_states``), or None when no
+    row of the step pools (API 2.1)."""
 
     @property
     def num_reqs(self) -> int:

@@ -71,6 +71,9 @@ class Executor(abc.ABC):
     returns_token_ids: ClassVar[bool] = False
     """True: :meth:`execute` returns the chosen token ids ``[S]`` (int64) instead of logits,
     and core skips logits processors and the sampler (e.g. a simulator with no weights)."""
+    returns_hidden_states: ClassVar[bool] = False
+    """True: :meth:`execute_with_hidden_states` works, so the engine serves embedding requests
+    (API 2.1). Executors without it refuse them at admission."""
     models_time: ClassVar[bool] = False
     """True: :meth:`execute` does not spend a step's time but models it, and
     :meth:`modelled_time_s` says how much (the ``simulated`` executor). A driver that runs the
@@ -103,6 +106,16 @@ class Executor(abc.ABC):
         Executors with ``returns_token_ids`` return int64 token ids
         ``[len(batch.logits_indices)]`` instead, one per sampled position.
         """
+
+    def execute_with_hidden_states(self, batch: ModelInput) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`execute`, plus the final hidden states of the rows ``batch.hidden_indices``
+        names: ``(logits [S, vocab], hidden [H, hidden_size])``, both float32 on
+        :attr:`device`. "Final" is after the model's last norm, what the LM head reads.
+        ``batch.logits_indices`` may be empty (a step of embedding prefills only): logits are
+        then ``[0, vocab]``. Executors that set ``returns_hidden_states`` implement this
+        (API 2.1); core calls it only for steps with ``hidden_indices``.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not return hidden states")
 
     def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None:
         """Copy page ``src[i]`` to ``dst[i]`` in every layer (forks, swap out and in).

@@ -73,7 +73,9 @@ class KVManager(abc.ABC):
         against the prefix cache and locks the hit; on success it sets
         ``request.num_cached_tokens``. A hit is capped at ``request.num_tokens - 1`` so at
         least one token is computed. A request that holds no pages but has computed tokens
-        (swapped back in) is not matched and gets ``num_cached_tokens = 0``. It then reserves
+        (swapped back in) is not matched and gets ``num_cached_tokens = 0``; neither is a
+        request whose ``uses_prefix_cache`` is False (API 2.1: an embedding that pools every
+        position; core fails such a request if it is matched). It then reserves
         pages so that the first ``min(num_computed_tokens + num_cached + num_new_tokens,
         request.num_tokens)`` tokens fit. The caller (the scheduler) adds
         ``Allocation.num_cached_tokens`` to ``request.num_computed_tokens``. None means no
@@ -109,7 +111,8 @@ class KVManager(abc.ABC):
 
         A read-only peek for scheduling policies (e.g. longest prefix first): no page is
         locked, no statistic changes, and the answer may differ by the time the request is
-        admitted. Same cap as :meth:`allocate` (at most ``request.num_tokens - 1``). Default:
+        admitted. Same cap as :meth:`allocate` (at most ``request.num_tokens - 1``); 0 for
+        a request whose ``uses_prefix_cache`` is False. Default:
         0 (a manager without a prefix cache; API 2.0).
         """
         return 0

@@ -9,7 +9,7 @@ import types
 from collections.abc import Mapping
 from typing import Any, TypeAlias
 
-from brigade.interfaces.sampling import SamplingParams
+from brigade.interfaces.sampling import PoolingParams, SamplingParams
 
 __all__ = [
     "EMPTY_EXTRA",
@@ -139,6 +139,9 @@ class Request:
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     """When the request first got a batch row (queue time ends), on the engine clock."""
+    pooling: PoolingParams | None = None
+    """Set for an embedding request (API 2.1): its prompt is run, no token is sampled, and it
+    finishes with a vector pooled from its hidden states. None for generation."""
 
     def __post_init__(self) -> None:
         if self.extra is not EMPTY_EXTRA:
@@ -165,6 +168,13 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def uses_prefix_cache(self) -> bool:
+        """False when every token must be computed (an embedding that pools every position):
+        a KV manager then matches nothing at admission and reports ``cached_prefix_len`` 0
+        (API 2.1). Its pages may still be committed for others to reuse."""
+        return self.pooling is None or not self.pooling.needs_every_position
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

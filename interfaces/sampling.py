@@ -7,7 +7,13 @@ import json
 import math
 from collections.abc import Mapping
 
-__all__ = ["STRUCTURED_OUTPUT_KINDS", "SamplingParams", "StructuredOutput"]
+__all__ = [
+    "POOLING_MODES",
+    "PoolingParams",
+    "STRUCTURED_OUTPUT_KINDS",
+    "SamplingParams",
+    "StructuredOutput",
+]
 
 STRUCTURED_OUTPUT_KINDS = ("json", "json_schema", "regex", "ebnf", "structural_tag")
 """What a :class:`StructuredOutput` can constrain to (see its ``kind``)."""
@@ -154,6 +160,37 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         """True when the argmax is taken (temperature 0)."""
         return self.temperature == 0.0
+
+
+POOLING_MODES = ("last", "mean")
+"""How :class:`PoolingParams` turns a prompt's final hidden states into one vector."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PoolingParams:
+    """Make a request an embedding: its prompt is run, nothing is generated, and the request
+    ends with one vector pooled from the model's final hidden states (after the final norm,
+    what the LM head reads), as vLLM does for decoder models (API 2.1).
+
+    ``mode`` ``last`` takes the last prompt token's state; ``mean`` averages every prompt
+    token's. A ``mean`` request is never matched against the prefix cache (a cached prefix
+    has no hidden states to average; see ``Request.uses_prefix_cache``). ``normalize``
+    scales the vector to unit L2 norm.
+    """
+
+    mode: str = "last"
+    normalize: bool = True
+
+    def __post_init__(self) -> None:
+        if self.mode not in POOLING_MODES:
+            raise ValueError(
+                f"pooling mode {self.mode!r} is invalid: expected one of {', '.join(POOLING_MODES)}"
+            )
+
+    @property
+    def needs_every_position(self) -> bool:
+        """True when every prompt token's hidden state is pooled (so each must be computed)."""
+        return self.mode == "mean"
 
 
 def _require(ok: bool, name: str, value: object, allowed: str) -> None:

@@ -12,6 +12,7 @@ from litestar.response import Stream
 
 from brigade.server import protocol as proto
 from brigade.server import responses as out
+from brigade.server.embeddings import EmbeddingRequest, embed
 from brigade.server.errors import (
     APIError,
     InternalServerError,
@@ -163,6 +164,13 @@ def _handlers(state: ServerState) -> list[Any]:
         _check_model(state, body.model)
         return await unless_disconnected(request, completion(state, request, body))
 
+    @post("/v1/embeddings", status_code=200)
+    async def embeddings(request: Request[Any, Any, Any]) -> Response[Any]:
+        raw = await read_body(request, state.settings)
+        body = proto.decode_json(raw, EmbeddingRequest)
+        _check_model(state, body.model)
+        return await unless_disconnected(request, embed(state, request, body))
+
     @post("/v1/responses", status_code=200)
     async def responses(request: Request[Any, Any, Any]) -> Response[Any] | Stream:
         raw = await read_body(request, state.settings)
@@ -181,6 +189,7 @@ def _handlers(state: ServerState) -> list[Any]:
         detokenize,
         chat,
         completions,
+        embeddings,
         responses,
     ]
 

@@ -26,6 +26,7 @@ from litestar.openapi.spec import (
 from brigade.admission import FLOAT32_MAX
 from brigade.server import protocol as proto
 from brigade.server import responses as out
+from brigade.server.embeddings import EmbeddingList, EmbeddingRequest
 from brigade.server.errors import ErrorResponse
 from brigade.server.responses_api import ResponsesRequest
 
@@ -37,18 +38,22 @@ _BODIES: dict[str, type] = {
     "/v1/chat/completions": proto.ChatCompletionRequest,
     "/v1/completions": proto.CompletionRequest,
     "/v1/responses": ResponsesRequest,
+    "/v1/embeddings": EmbeddingRequest,
     "/tokenize": proto.TokenizeRequest,
     "/detokenize": proto.DetokenizeRequest,
 }
 _ANSWERS: dict[str, type] = {
     "/v1/chat/completions": out.ChatCompletion,
     "/v1/completions": out.Completion,
+    "/v1/embeddings": EmbeddingList,
     "/tokenize": out.TokenizeResponse,
     "/detokenize": out.DetokenizeResponse,
     "/v1/models": out.ModelList,
     "/v1/models/{model_id}": out.ModelCard,
 }
 _STREAMING = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+_QUEUED = (*_STREAMING, "/v1/embeddings")
+"""Endpoints that queue engine requests (rate limits, a full queue: 429, 503)."""
 
 _ERRORS = {
     400: "Invalid request: malformed JSON, a wrong type or value (`param` names the field)",
@@ -206,7 +211,7 @@ def _responses(path: str, has_body: bool) -> dict[int, OpenAPIResponse]:
         statuses |= {404}
     if has_body:
         statuses |= {400, 404, 408, 413}
-    if path in _STREAMING:
+    if path in _QUEUED:
         statuses |= {429, 503}
     errors = {status: _json(_ERRORS[status], _ref(ErrorResponse)) for status in sorted(statuses)}
     return {200: success, **errors}

@@ -6,7 +6,14 @@ import random
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from brigade.interfaces import KVManager, Request, RequestStatus, SamplingParams, freeze_extra
+from brigade.interfaces import (
+    KVManager,
+    PoolingParams,
+    Request,
+    RequestStatus,
+    SamplingParams,
+    freeze_extra,
+)
 
 __all__ = ["cached_once", "make_request", "make_requests", "probe_hit", "run_prefill"]
 
@@ -20,10 +27,12 @@ def make_request(
     arrival_time: float = 0.0,
     eos_token_ids: Iterable[int] = (),
     extra: Mapping[str, object] | None = None,
+    pooling: PoolingParams | None = None,
     **sampling: Any,
 ) -> Request:
-    """A waiting request with prompt ``token_ids`` and ``extra`` data (``Request.extra``);
-    further keywords go to :class:`SamplingParams`."""
+    """A waiting request with prompt ``token_ids`` and ``extra`` data (``Request.extra``),
+    an embedding request when ``pooling`` is set; further keywords go to
+    :class:`SamplingParams`."""
     return Request(
         request_id=request_id,
         prompt_token_ids=list(token_ids),
@@ -32,6 +41,7 @@ def make_request(
         arrival_time=arrival_time,
         priority=priority,
         extra=freeze_extra(extra),
+        pooling=pooling,
     )
 
 

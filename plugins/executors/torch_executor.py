@@ -115,6 +115,7 @@ class TorchExecutor(Executor):
     """Loads an HF-format model with brigade's own modules and runs it eagerly."""
 
     supports_copy_pages: ClassVar[bool] = True
+    returns_hidden_states: ClassVar[bool] = True
 
     def __init__(self, params: ExecutorParams, options: TorchExecutorOptions) -> None:
         self.params = params
@@ -247,6 +248,22 @@ class TorchExecutor(Executor):
         batch = self.prepare_input(batch)
         with torch.inference_mode():
             return self.compute_logits(batch)
+
+    def execute_with_hidden_states(self, batch: ModelInput) -> tuple[torch.Tensor, torch.Tensor]:
+        """Float32 logits of ``logits_indices`` and final hidden states of ``hidden_indices``
+        (eager forward: steps that pool are prefills, which graphs do not hold)."""
+        if batch.hidden_indices is None:
+            raise ValueError("execute_with_hidden_states needs a batch with hidden_indices")
+        batch = self.prepare_input(batch)
+        assert batch.hidden_indices is not None
+        with torch.inference_mode():
+            metadata = self.attention.build_metadata(batch)
+            hidden = self.forward_fn(batch.input_ids, batch.positions, self.kv_caches, metadata)
+            pooled = hidden[batch.hidden_indices].float()
+            if batch.logits_indices.numel() == 0:
+                empty = torch.empty(0, self.model.vocab_size, device=self.device)
+                return empty, pooled
+            return self.model.compute_logits(hidden[batch.logits_indices]).float(), pooled
 
     def prepare_input(self, batch: ModelInput) -> ModelInput:
         """Check ``batch`` against the pool, zero fresh CPU pages, move it to the device."""

@@ -149,7 +149,7 @@ class PagedKVManager(KVManager):
 
     def cached_prefix_len(self, request: Request) -> int:
         """Full cached pages at the head of the request's tokens (digests kept for admission)."""
-        if not self._caching or request.num_computed_tokens:
+        if not self._caching or request.num_computed_tokens or not request.uses_prefix_cache:
             return 0
         if request.request_id in self._running:
             return request.num_cached_tokens
@@ -178,7 +178,7 @@ class PagedKVManager(KVManager):
             state = _RequestState(request)
         # A request that holds no pages but has computed tokens is being swapped back in: its
         # KV comes from elsewhere, so nothing is matched (or counted as a lookup).
-        lookup = self._caching and request.num_computed_tokens == 0
+        lookup = self._caching and request.num_computed_tokens == 0 and request.uses_prefix_cache
         hit_pages = self._match(state) if lookup else []
         num_cached_tokens = len(hit_pages) * self._page_size
         num_tokens = min(

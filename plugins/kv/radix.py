@@ -203,7 +203,7 @@ class RadixKVManager(KVManager):
 
     def cached_prefix_len(self, request: Request) -> int:
         """The longest cached prefix of the request's tokens (a walk down the tree)."""
-        if not self._caching or request.num_computed_tokens:
+        if not self._caching or request.num_computed_tokens or not request.uses_prefix_cache:
             return 0
         if request.request_id in self._running:
             return request.num_cached_tokens
@@ -225,7 +225,7 @@ class RadixKVManager(KVManager):
     def _admit(self, request: Request, num_new_tokens: int) -> Allocation | None:
         # A request that holds no pages but has computed tokens is being swapped back in: its
         # KV comes from elsewhere, so nothing is matched (or counted as a lookup).
-        lookup = self._caching and request.num_computed_tokens == 0
+        lookup = self._caching and request.num_computed_tokens == 0 and request.uses_prefix_cache
         path = self._match(request) if lookup else []
         num_cached_tokens = sum(matched for _, matched in path)
         num_tokens = min(

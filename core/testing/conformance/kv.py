@@ -13,7 +13,14 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from brigade.interfaces import Allocation, KVManager, KVPoolParams, Request, RequestStatus
+from brigade.interfaces import (
+    Allocation,
+    KVManager,
+    KVPoolParams,
+    PoolingParams,
+    Request,
+    RequestStatus,
+)
 from brigade.testing.requests import make_request
 
 __all__ = ["check_kv_manager"]
@@ -51,6 +58,7 @@ def check_kv_manager(
             ("admission and growth", suite.check_admission_and_growth),
             ("allocation without room", suite.check_no_room_changes_nothing),
             ("prefix reuse", suite.check_prefix_reuse),
+            ("requests that use no prefix cache", suite.check_uncached_requests),
             ("divergent prompts", suite.check_divergence),
             ("eviction", functools.partial(suite.check_eviction, lru_eviction)),
             ("caching off", suite.check_caching_off),
@@ -251,6 +259,28 @@ class _Suite:
         assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == expected, (
             f"{self.label}: expected (queries, hits) == {expected}, stats say {stats}"
         )
+
+    def check_uncached_requests(self) -> None:
+        """A request whose ``uses_prefix_cache`` is False (mean-pooled embedding) is never
+        matched, nor peeked at, but its pages serve later requests (API 2.1)."""
+        ps, kv = self.page_size, self.new(16)
+        prompt = _tokens(1, 3 * ps)
+        self.prefill(kv, owner := make_request("owner", prompt))
+        mean = PoolingParams(mode="mean")
+        embedded = make_request("embedded", [*prompt, 5], pooling=mean)
+        assert not embedded.uses_prefix_cache
+        peeked = kv.cached_prefix_len(embedded)
+        hit = self.prefill(kv, embedded).num_cached_tokens
+        assert peeked == hit == embedded.num_cached_tokens == 0, (
+            f"{self.label}: a request with uses_prefix_cache False found {hit} cached tokens "
+            f"(cached_prefix_len said {peeked}); it must compute every token"
+        )
+        assert not set(kv.block_table(embedded)) & set(kv.block_table(owner)), (
+            f"{self.label}: the uncached request shares the owner's pages"
+        )
+        kv.free(owner)
+        kv.free(embedded)
+        self.probe(kv, [*prompt, 6], 3 * ps, "the cached prefix, after an uncached request")
 
     def check_divergence(self) -> None:
         ps, kv = self.page_size, self.new(16)

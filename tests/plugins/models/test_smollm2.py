@@ -118,3 +118,31 @@ def test_the_default_model_answers_with_a_real_sentence(llm: LLM) -> None:
     result = llm.generate([prompt], SamplingParams(max_tokens=32, temperature=0.0))[0].outputs[0]
     assert "Paris" in result.text, result.text
     assert result.finish_reason == "stop", "an instruct model ends its answer with <|im_end|>"
+
+
+def test_embeddings_match_transformers_hidden_states(llm: LLM, reference: tuple[Any, Any]) -> None:
+    from brigade.interfaces import PoolingParams
+
+    model, _ = reference
+    texts = [
+        "The capital of France is Paris.",
+        "Paris is the capital city of France.",
+        "Octopuses have three hearts and blue blood.",
+    ]
+    prompts = [list(llm.tokenizer.encode(t, add_special_tokens=False)) for t in texts]
+    for pooling in (PoolingParams(), PoolingParams(mode="mean")):
+        ours = torch.tensor([o.embedding for o in llm.embed(prompts, pooling)])
+        expected = []
+        with torch.no_grad():
+            for prompt in prompts:
+                states = model(torch.tensor([prompt]), output_hidden_states=True).hidden_states
+                final = states[-1][0].float()
+                vector = final[-1] if pooling.mode == "last" else final.mean(dim=0)
+                expected.append(torch.nn.functional.normalize(vector, dim=0))
+        theirs = torch.stack(expected)
+        assert ours.shape == theirs.shape == (3, model.config.hidden_size)
+        gap = float((ours - theirs).abs().max())
+        assert gap < 1e-4, f"{pooling.mode} pooling differs by {gap:.2e}"
+        # Real semantics: the paraphrase is nearer than the unrelated sentence.
+        similarity = ours @ ours.T
+        assert similarity[0, 1] > similarity[0, 2], (pooling.mode, similarity.tolist())
