@@ -14,6 +14,7 @@ A flag is one of three things:
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 from collections.abc import Callable, Sequence
@@ -185,6 +186,36 @@ def _hermes(text: str) -> str:
     return text
 
 
+def _runner(text: str) -> str:
+    if text not in ("auto", "generate", "pooling", "embed", "none"):
+        raise ValueError(
+            "Brigade serves generation and embeddings from one engine and has no other "
+            "runner (classify, score, reward, transcription: not implemented yet); allowed: "
+            "auto, generate, pooling, embed, none"
+        )
+    return text
+
+
+def _pooler_config(text: str) -> str:
+    """vLLM's ``--pooler-config`` JSON -> ``server.embedding_pooling``."""
+    try:
+        config = json.loads(text)
+    except ValueError:
+        config = None
+    if not isinstance(config, dict):
+        raise ValueError('expected a JSON object such as \'{"pooling_type": "MEAN"}\'')
+    others = sorted(set(config) - {"pooling_type"})
+    if others:
+        raise ValueError(
+            f"only pooling_type is supported, not {', '.join(others)} (normalization: "
+            "--set server.embedding_normalize=false)"
+        )
+    kind = str(config.get("pooling_type", "LAST")).upper()
+    if kind not in ("LAST", "MEAN"):
+        raise ValueError(f"pooling_type {kind} is not supported; allowed: LAST, MEAN")
+    return kind.lower()
+
+
 # --- the table ----------------------------------------------------------------------------
 
 _NOT_YET = "not implemented yet"
@@ -344,6 +375,20 @@ FLAGS: tuple[ServeFlag, ...] = (
         metavar="PARSER",
     ),
     _accepted(
+        ("--runner", "--task", "--convert"),
+        "one engine serves both /v1/chat/completions and /v1/embeddings (the decoder's "
+        "pooled hidden states); auto, generate, pooling, embed and none all mean that",
+        check=_runner,
+        metavar="RUNNER",
+    ),
+    _alias(
+        "--pooler-config",
+        "server.embedding_pooling",
+        'how /v1/embeddings pools: {"pooling_type": "LAST"} (the default) or "MEAN"',
+        parse=_pooler_config,
+        metavar="JSON",
+    ),
+    _accepted(
         ("--disable-log-requests", "--no-enable-log-requests"),
         "prompts are never logged; each request logs one request_finished event (token "
         "counts and timings)",
@@ -459,10 +504,6 @@ FLAGS: tuple[ServeFlag, ...] = (
     _refused(
         ("--limit-mm-per-prompt", "--mm-processor-kwargs"),
         "multimodal input is not implemented yet: text only",
-    ),
-    _refused(
-        ("--task", "--runner", "--convert"),
-        "only text generation is served (no embedding, pooling, scoring or transcription)",
     ),
     _refused(
         "--override-generation-config",

@@ -86,6 +86,7 @@ ALIAS_CASES = [
     (["--no-enable-chunked-prefill"], "scheduler.enable_chunked_prefill", False),
     (["--scheduling-policy", "priority"], "scheduler.plugin", "priority"),
     (["--device", "cpu"], "executor.device", "cpu"),
+    (["--pooler-config", '{"pooling_type": "MEAN"}'], "server.embedding_pooling", "mean"),
 ]
 
 
@@ -165,6 +166,10 @@ def test_lengths_read_as_vllm_reads_them(served: list, given: str, expected: int
         (["--port", "http"], "--port http: expected an integer"),
         (["--swap-space", "-1"], "expected a number of GiB >= 0"),
         (["--tool-call-parser", "llama3_json"], "allowed: hermes"),
+        (["--runner", "classify"], "allowed: auto, generate, pooling, embed, none"),
+        (["--pooler-config", '{"pooling_type": "CLS"}'], "allowed: LAST, MEAN"),
+        (["--pooler-config", '{"normalize": false}'], "server.embedding_normalize=false"),
+        (["--pooler-config", "MEAN"], "expected a JSON object"),
         (["--served-model-name", "a", "b"], "Brigade serves one model name"),
         (["--served-model-name", "tiny", "./model.gguf"], "put MODEL before the flags"),
         (["M", "--model", "N"], "give the model once"),
@@ -213,7 +218,9 @@ def test_accepted_flags_change_nothing_and_print_their_note(
     served: list, flag: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
     for name in flag.names:
-        argv = [name] if flag.arity == "switch" else [name, "hermes" if "parser" in name else "9"]
+        sample = {"--tool-call-parser": "hermes", "--runner": "embed", "--task": "generate"}
+        sample["--convert"] = "none"
+        argv = [name] if flag.arity == "switch" else [name, sample.get(name, "9")]
         assert main(["serve", *argv]) == 0
         assert served[-1] == (None, []), "an accepted flag must not change the config"
         assert f"brigade: note: {name}: {flag.help}\n" in capsys.readouterr().err

@@ -444,3 +444,37 @@ def test_continue_final_message_continues_the_assistant_turn(server: str) -> Non
     closed = prompt_tokens(add_generation_prompt=False)
     continued = prompt_tokens(add_generation_prompt=False, continue_final_message=True)
     assert continued < closed  # the assistant turn's end-of-turn tokens are left off
+
+
+def test_constrained_top_logprobs_are_numbers_a_client_can_do_arithmetic_on(
+    client: openai.OpenAI,
+) -> None:
+    """guidance's json() crashed on ``"logprob": null`` for tokens the grammar blocks: they
+    now carry OpenAI's floor (-9999), so exp() and sums work as on OpenAI's answers."""
+    import math
+
+    response = client.chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,
+        max_tokens=8,
+        temperature=0.0,
+        logprobs=True,
+        top_logprobs=20,
+        response_format={"type": "regex", "regex": "(yes|no)"},  # type: ignore[arg-type,misc]
+    )
+    choice = response.choices[0]
+    assert choice.message.content in ("yes", "no")
+    assert choice.logprobs is not None
+    assert choice.logprobs.content
+    blocked = 0
+    for entry in choice.logprobs.content:
+        assert isinstance(entry.logprob, float)
+        assert math.isfinite(entry.logprob)
+        assert len(entry.top_logprobs) == 20
+        values = [top.logprob for top in entry.top_logprobs]
+        assert all(isinstance(v, float) for v in values), values
+        mass = sum(math.exp(v) for v in values)  # guidance-style: probabilities from logprobs
+        assert mass <= 1.0 + 1e-4, mass
+        blocked += sum(1 for v in values if v <= -9999.0)
+        assert max(values) == entry.logprob  # greedy under the constraint: the top one
+    assert blocked, "a two-word grammar must block most of the top 20 tokens"
