@@ -48,6 +48,9 @@ __all__ = ["EngineCore", "EngineStats", "StepUpdate", "TokenLogprob"]
 
 logger = logging.getLogger(__name__)
 
+SHARED_PREFILL_MIN_TOKENS = 32
+"""A waiting request that shares at least this many uncached prompt tokens (and a page) with a
+prefill of the current step is admitted one step later, from the cache (``BatchScheduler``)."""
 GRAMMAR_WAIT_S = 0.01
 """With nothing to run but requests waiting for their grammar, a step waits this long for one."""
 
@@ -160,6 +163,12 @@ class EngineCore:
             self.kv,
             lambda view: policy(view, policy_options),
             swap=SwapSpace(model.host_pages) if settings.preemption == "swap" else None,
+            # Sharing prefills pays once the shared part fills a page and is worth a step.
+            share_prefills_from=(
+                max(model.page_size, SHARED_PREFILL_MIN_TOKENS)
+                if kv_settings.enable_prefix_caching
+                else 0
+            ),
         )
         self.device = torch.device(self.executor.device)
         self.sampler_name = config.plugin("sampler")

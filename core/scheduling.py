@@ -64,10 +64,19 @@ class BatchScheduler:
         policy: PolicyFactory,
         *,
         swap: SwapSpace | None = None,
+        share_prefills_from: int = 0,
     ) -> None:
         self.params = params
         self.kv = kv
         self.swap = swap
+        self.share_prefills_from = share_prefills_from
+        """0: off. Else a waiting request that shares at least this many more prompt tokens
+        with a prefill running in this step than the prefix cache holds for it waits one step,
+        then finds them cached (in-batch prefix sharing, as SGLang does): concurrent requests
+        with one system prompt compute it once, not once each. Core turns it on with the
+        prefix cache."""
+        self.num_deferred = 0
+        """Admissions put off by :attr:`share_prefills_from` so far."""
         """Host pages for swap preemption; None: preempted requests recompute."""
         self._running: list[Request] = []
         self._waiting: dict[str, Request] = {}
@@ -200,6 +209,9 @@ class BatchScheduler:
             num_new = self._num_new_tokens(request, budget)
             if num_new == 0:
                 break  # a whole prompt must fit when chunked prefill is off
+            if self.share_prefills_from and self._shares_a_prefill(request, scheduled):
+                self.num_deferred += 1
+                break  # next step its prefix is cached; later arrivals do not overtake it
             allocation = self.kv.allocate(request, num_new)
             if allocation is None:
                 budget, made_room = self._preempt_for(request, budget, scheduled, preempted)
@@ -218,6 +230,26 @@ class BatchScheduler:
             scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
         return budget
+
+    def _shares_a_prefill(self, request: Request, scheduled: Sequence[ScheduledRequest]) -> bool:
+        """True when a prefill planned in this step computes at least
+        :attr:`share_prefills_from` tokens of ``request``'s prompt that the cache lacks."""
+        if not request.uses_prefix_cache or request.num_computed_tokens:
+            return False  # computes every token anyway, or resumes from swapped pages
+        prefills = [item for item in scheduled if not item.is_decode]
+        if not prefills:
+            return False
+        tokens = request.all_token_ids
+        missing_from = self.kv.cached_prefix_len(request)
+        for item in prefills:
+            other = item.request
+            end = min(other.num_computed_tokens + item.num_new_tokens, len(tokens) - 1)
+            if end - missing_from < self.share_prefills_from:
+                continue
+            shared = _common_prefix_len(tokens, other.all_token_ids, end)
+            if shared - max(missing_from, other.num_computed_tokens) >= self.share_prefills_from:
+                return True
+        return False
 
     def _preempt_for(
         self,
@@ -272,6 +304,20 @@ class BatchScheduler:
         request.status = RequestStatus.PREEMPTED
         self.num_preemptions += 1
         self._enqueue(request, preempted=True)
+
+
+def _common_prefix_len(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    """Length of the longest common prefix of ``a`` and ``b``, at most ``limit``."""
+    limit = min(limit, len(a), len(b))
+    start = 0
+    while start < limit:  # compare slices (C speed), then find the mismatch within one
+        stop = min(start + 64, limit)
+        if a[start:stop] != b[start:stop]:
+            while a[start] == b[start]:
+                start += 1
+            return start
+        start = stop
+    return limit
 
 
 def _take(requests: list[Request], request_id: str) -> Request | None:

@@ -38,9 +38,17 @@ def build_scheduler(
     kv: KVManager,
     *,
     swap: SwapSpace | None = None,
+    share_prefills_from: int = 0,
 ) -> BatchScheduler:
-    """Core's scheduler driving the policy ``factory(view, options)``, as the engine builds it."""
-    return BatchScheduler(params, kv, lambda view: factory(view, options), swap=swap)
+    """Core's scheduler driving the policy ``factory(view, options)``, as the engine builds it
+    (``share_prefills_from``: see ``BatchScheduler``; the engine sets it with prefix caching)."""
+    return BatchScheduler(
+        params,
+        kv,
+        lambda view: factory(view, options),
+        swap=swap,
+        share_prefills_from=share_prefills_from,
+    )
 
 
 @dataclasses.dataclass

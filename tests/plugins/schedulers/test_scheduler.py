@@ -12,10 +12,18 @@ from brigade.testing.requests import make_request, make_requests
 PAGE = 4
 
 
-def make(num_pages: int = 100, *, max_seqs: int = 8, budget: int = 32, chunked: bool = True):
+def make(
+    num_pages: int = 100,
+    *,
+    max_seqs: int = 8,
+    budget: int = 32,
+    chunked: bool = True,
+    share: int = 0,
+):
     kv = PagedKVManager(KVPoolParams(num_pages, PAGE), PagedKVOptions())
     params = SchedulerParams(max_seqs, budget, max_model_len=256, enable_chunked_prefill=chunked)
-    return build_scheduler(FcfsPolicy, FcfsOptions(), params, kv), kv
+    scheduler = build_scheduler(FcfsPolicy, FcfsOptions(), params, kv, share_prefills_from=share)
+    return scheduler, kv
 
 
 def test_fcfs_conforms_and_never_preempts_for_a_waiting_request() -> None:
@@ -91,6 +99,59 @@ def test_every_request_finishes_under_pressure_with_the_same_token_counts() -> N
     assert all(r.num_output_tokens == 9 for r in requests)
     assert sum(len(p.preempted) for p in plans) > 0
     assert kv.num_free_pages() == 10
+
+
+def test_requests_sharing_a_prefill_in_flight_wait_a_step_and_hit_the_cache() -> None:
+    prefix = list(range(100, 140))  # 40 tokens: 10 pages
+    prompts = [[*prefix, 1, 2], [*prefix, 3, 4], [*prefix, 5, 6], list(range(200, 210))]
+    unshared, _ = make(budget=160)
+    for index, tokens in enumerate(prompts):
+        unshared.add(make_request(f"r{index}", tokens))
+    plan = unshared.schedule()
+    assert len(plan.scheduled) == 4  # off: every copy of the prefix is computed this step
+    assert sum(s.num_new_tokens for s in plan.scheduled) == 3 * 42 + 10
+    scheduler, kv = make(budget=128, share=8)
+    requests = [make_request(f"r{index}", tokens) for index, tokens in enumerate(prompts)]
+    for request in requests:
+        scheduler.add(request)
+    first = scheduler.schedule()
+    # r1 would recompute r0's 40 uncached tokens: it waits, and r3 behind it keeps its place.
+    assert [(s.request.request_id, s.num_new_tokens) for s in first.scheduled] == [("r0", 42)]
+    assert scheduler.num_deferred == 1
+    simulate_finish_step(scheduler, kv, first)
+    second = scheduler.schedule()
+    assert [(s.request.request_id, s.num_new_tokens) for s in second.scheduled] == [
+        ("r0", 1),  # its decode
+        ("r1", 2),  # the prefix came from the cache
+        ("r2", 2),
+        ("r3", 10),
+    ]
+    assert requests[1].num_cached_tokens == requests[2].num_cached_tokens == 40
+    assert kv.stats().prefix_cache_hits == 80
+
+
+def test_prefill_sharing_ignores_short_overlaps_and_lone_requests() -> None:
+    scheduler, _ = make(budget=128, share=8)
+    scheduler.add(make_request("a", [*range(100, 106), 1, 2, 3]))  # 6 shared tokens < 8
+    scheduler.add(make_request("b", [*range(100, 106), 4, 5, 6]))
+    assert [s.request.request_id for s in scheduler.schedule().scheduled] == ["a", "b"]
+    assert scheduler.num_deferred == 0
+
+
+def test_a_chunked_prefill_shares_each_chunk_as_it_is_cached() -> None:
+    scheduler, kv = make(budget=24, share=8)
+    prefix = list(range(100, 148))  # 48 tokens: two chunks of 24
+    owner, follower = make_request("owner", [*prefix, 1]), make_request("follower", [*prefix, 2])
+    scheduler.add(owner)
+    scheduler.add(follower)
+    computed = []
+    while follower.status.name != "RUNNING":
+        plan = scheduler.schedule()
+        computed.append([(s.request.request_id, s.num_new_tokens) for s in plan.scheduled])
+        simulate_finish_step(scheduler, kv, plan)
+    # The follower waits while the owner's chunks compute the prefix, then takes it cached.
+    assert computed == [[("owner", 24)], [("owner", 24)], [("owner", 1), ("follower", 1)]]
+    assert follower.num_cached_tokens == 48
 
 
 def simulate_step(scheduler: BatchScheduler, kv: PagedKVManager) -> None:
