@@ -27,6 +27,7 @@ def make_executor(
     native_decode: bool = True,
     onednn_min_rows: int = TorchExecutorOptions.onednn_min_rows,
     fused: bool = True,
+    fused_decode: bool = True,
 ) -> TorchExecutor:
     params = ExecutorParams(
         model_path=str(directory),
@@ -40,7 +41,11 @@ def make_executor(
     executor = TorchExecutor(
         params,
         TorchExecutorOptions(
-            device="cpu", compile=compiled, onednn_min_rows=onednn_min_rows, fused_ops=fused
+            device="cpu",
+            compile=compiled,
+            onednn_min_rows=onednn_min_rows,
+            fused_ops=fused,
+            fused_decode=fused_decode,
         ),
     )
     executor.initialize_kv_cache(NUM_PAGES)

@@ -12,7 +12,12 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+#include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/index_copy.h>
+#include <ATen/ops/linear.h>
 #include <torch/library.h>
 
 #include "cpu_exp.h"
@@ -21,7 +26,14 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <tuple>
+#include <vector>
+
+// cpu_paged.cpp
+at::Tensor paged_decode(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
+                        at::Tensor block_tables, at::Tensor seq_lens, int64_t window,
+                        double scale);
 
 namespace {
 
@@ -151,9 +163,77 @@ std::tuple<at::Tensor, at::Tensor> rope(at::Tensor q, at::Tensor k, at::Tensor c
           rotate(k, cos.data_ptr<float>(), sin.data_ptr<float>(), half)};
 }
 
+// The model's linear layer as the eager forward runs it (``OneDnnLinear``): oneDNN's matmul
+// on the weight as loaded from `min_rows` rows up, F.linear (MKL) below (min_rows 0: never).
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
+                  const std::optional<at::Tensor>& bias, int64_t min_rows) {
+  if (min_rows <= 0 || x.size(0) < min_rows) return at::linear(x, weight, bias);
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  const at::Tensor flat = x.is_contiguous() ? x : x.contiguous();
+  torch::jit::Stack stack;
+  stack.reserve(6);
+  stack.emplace_back(flat);
+  stack.emplace_back(weight);
+  stack.emplace_back(bias.has_value() ? c10::IValue(*bias) : c10::IValue());
+  stack.emplace_back(std::string("none"));
+  stack.emplace_back(c10::List<std::optional<at::Scalar>>());
+  stack.emplace_back(std::string(""));
+  op.callBoxed(&stack);
+  return stack.back().toTensor();
+}
+
+// Every decoder layer of a pure decode step (each row one new token) in one call: the same
+// kernels in the same order as the eager forward (input RMSNorm, qkv, RoPE, KV write, paged
+// decode attention, o_proj, residual + post-attention RMSNorm, gate_up, SiLU-mul, down,
+// residual), so the result is identical to it; what it saves is Python and ~40 operator
+// dispatches per layer. Per layer l: weights[6l .. 6l+5] = input norm, qkv, o, post-attention
+// norm, gate_up, down; biases[4l .. 4l+3] = qkv, o, gate_up, down (None when absent);
+// windows[l] the sliding window (0: none). Returns the residual stream after the last layer
+// (before the final norm).
+at::Tensor decode_layers(at::Tensor hidden, at::Tensor cos, at::Tensor sin,
+                         std::vector<at::Tensor> key_caches, std::vector<at::Tensor> value_caches,
+                         at::Tensor slot_mapping, at::Tensor block_tables, at::Tensor seq_lens,
+                         std::vector<at::Tensor> weights,
+                         c10::List<std::optional<at::Tensor>> biases, std::vector<int64_t> windows,
+                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
+                         double scale, int64_t min_rows) {
+  const int64_t num_layers = static_cast<int64_t>(key_caches.size());
+  TORCH_CHECK(value_caches.size() == key_caches.size() &&
+                  static_cast<int64_t>(weights.size()) == 6 * num_layers &&
+                  static_cast<int64_t>(biases.size()) == 4 * num_layers &&
+                  static_cast<int64_t>(windows.size()) == num_layers,
+              "decode_layers: per-layer lists of mismatched lengths");
+  const int64_t tokens = hidden.size(0);
+  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  for (int64_t l = 0; l < num_layers; ++l) {
+    const at::Tensor* w = weights.data() + 6 * l;
+    const auto bias = [&](int64_t i) -> std::optional<at::Tensor> { return biases.get(4 * l + i); };
+    const at::Tensor normed = rms_norm(hidden, w[0], eps);
+    const at::Tensor qkv = linear(normed, w[1], bias(0), min_rows);
+    const at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
+    const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim});
+    const at::Tensor v =
+        qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
+    auto [q_rot, k_rot] = rope(q, k, cos, sin);
+    at::Tensor& key_cache = key_caches[l];
+    at::Tensor& value_cache = value_caches[l];
+    key_cache.view({-1, num_kv_heads, head_dim}).index_copy_(0, slot_mapping, k_rot);
+    value_cache.view({-1, num_kv_heads, head_dim}).index_copy_(0, slot_mapping, v);
+    const at::Tensor attention =
+        paged_decode(q_rot, key_cache, value_cache, block_tables, seq_lens, windows[l], scale);
+    const at::Tensor delta = linear(attention.view({tokens, q_size}), w[2], bias(1), min_rows);
+    auto [summed, post] = add_rms_norm(hidden, delta, w[3], eps);
+    const at::Tensor gate_up = linear(post, w[4], bias(2), min_rows);
+    hidden = at::add(summed, linear(silu_mul(gate_up), w[5], bias(3), min_rows));
+  }
+  return hidden;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(brigade_cpu, m) {
+  m.def("decode_layers", &decode_layers);
   m.def("rms_norm", &rms_norm);
   m.def("add_rms_norm", &add_rms_norm);
   m.def("silu_mul", &silu_mul);

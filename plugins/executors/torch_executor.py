@@ -77,6 +77,12 @@ class TorchExecutorOptions:
         "residual add before the second norm, SiLU-mul, RoPE) as Brigade's fused C++ kernels "
         "(built once, like the attention kernel); false = torch's operations",
     )
+    fused_decode: bool = option(
+        True,
+        help="on a CPU in float32, with fused_ops, run all decoder layers of a pure decode "
+        "step as one C++ call (the same kernels in the same order as the eager forward, so "
+        "identical results, without Python's per-operation overhead); false = layer by layer",
+    )
 
 
 def resolve_device(name: str) -> torch.device:
@@ -145,6 +151,8 @@ class TorchExecutor(Executor):
                 use_onednn_linears(self.model, options.onednn_min_rows)
         if isinstance(fusion := getattr(self.model, "fusion", None), CpuFusion):
             fusion.enabled = options.fused_ops
+        if (fused := getattr(self.model, "fused_decode", None)) is not None:
+            fused.enabled = options.fused_decode
         self.forward_fn: Callable[..., torch.Tensor] = self.model.forward
         """The model's forward (a subclass may swap in a compiled one)."""
         self.compiled: CompiledForward | None = None

@@ -247,6 +247,10 @@ class DecoderForCausalLM(nn.Module):
         self.decoder_layers = cast("tuple[DecoderLayer, ...]", tuple(self.layers))
         """The modules of ``layers``, typed (the ModuleList is what registers them)."""
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, self.fusion)
+        from brigade.plugins.models.cpu_decode import CpuDecodeLayers  # it reads this class
+
+        self.fused_decode = CpuDecodeLayers(self)
+        """A pure decode step's layers as one C++ call on a CPU (identical results)."""
         self.lm_head = (
             None
             if config.tie_word_embeddings
@@ -273,6 +277,9 @@ class DecoderForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: [T] -> final-normed hidden states [T, hidden_size]."""
         hidden, cos, sin = self.embed(input_ids, positions)
+        fused = self.fused_decode.run(hidden, cos, sin, kv_caches, attn_metadata)
+        if fused is not None:
+            return self.final_norm(fused)
         for layer, kv_cache in zip(self.decoder_layers, kv_caches, strict=True):
             hidden = layer(hidden, cos, sin, kv_cache, attn_metadata)
         return self.final_norm(hidden)

@@ -1,0 +1,141 @@
+"""A pure decode step's decoder layers in one C++ call, on a CPU in float32.
+
+At decode batch sizes the eager forward spends a large share of a step in Python and operator
+dispatch (~40 calls per layer around its four GEMMs: module calls, views, the KV write, the
+attention kernel, the fused small operations). ``torch.ops.brigade_cpu.decode_layers`` runs
+every layer with the same kernels in the same order, so its result is identical to the eager
+forward's (tested bit for bit); the eager forward remains the path for prefills, mixed steps,
+other backends, dtypes and devices, and models with qk norm (Qwen3).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from brigade.plugins.attention.sdpa import SdpaBackend, SdpaMetadata
+from brigade.plugins.executors.cpu_gemm import OneDnnLinear
+
+__all__ = ["CpuDecodeLayers"]
+
+
+class CpuDecodeLayers:
+    """The model's per-layer weights laid out for ``decode_layers``; :meth:`run` takes a step
+    when it can (else None, and the caller runs the eager layers)."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        """The ``DecoderForCausalLM`` (which builds this in its constructor)."""
+        self.enabled = True
+        """False keeps the eager layers (a reference, or ``[executor] fused_decode = false``)."""
+        self._args: tuple[Any, ...] | None = None
+        self._usable: bool | None = None
+
+    def run(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        metadata: Any,
+    ) -> torch.Tensor | None:
+        """The residual stream after every layer of a pure decode step, or None when this
+        step is not one the fused call covers."""
+        if not self.enabled or not isinstance(metadata, SdpaMetadata):
+            return None
+        if metadata.prefill_rows or metadata.num_decodes != hidden.shape[0]:
+            return None
+        ops = self.model.fusion.ops(hidden)
+        if ops is None or not self._can_run(hidden.device):
+            return None
+        if any(k.dtype is not torch.float32 for k, _ in kv_caches):
+            return None
+        weights, biases, windows, sizes = self._layout()
+        return ops.decode_layers(
+            hidden,
+            cos,
+            sin,
+            [k for k, _ in kv_caches],
+            [v for _, v in kv_caches],
+            metadata.slot_mapping,
+            metadata.block_tables,
+            metadata.seq_lens,
+            weights,
+            biases,
+            windows,
+            *sizes,
+        )
+
+    def _can_run(self, device: torch.device) -> bool:
+        """Whether this model's layers are ones the fused call reproduces exactly."""
+        if self._usable is None:
+            layers = self.model.decoder_layers
+            backends = {id(layer.self_attn.backend) for layer in layers}
+            backend = layers[0].self_attn.backend
+            self._usable = (
+                len(backends) == 1
+                and isinstance(backend, SdpaBackend)
+                and backend._decode_kernel(device) is not None
+                and all(layer.self_attn.q_norm is None for layer in layers)
+                and len({_min_rows(m) for m in self._linears()}) == 1
+                and len({n.eps for n in self._norms()}) == 1
+            )
+        return self._usable
+
+    def _layout(self) -> tuple[Any, ...]:
+        if self._args is None:
+            weights: list[torch.Tensor] = []
+            biases: list[torch.Tensor | None] = []
+            windows: list[int] = []
+            for layer in self.model.decoder_layers:
+                attention, mlp = layer.self_attn, layer.mlp
+                linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+                weights += [
+                    layer.input_layernorm.weight,
+                    attention.qkv_proj.weight,
+                    attention.o_proj.weight,
+                    layer.post_attention_layernorm.weight,
+                    mlp.gate_up_proj.weight,
+                    mlp.down_proj.weight,
+                ]
+                biases += [linear.bias for linear in linears]
+                windows.append(attention.layer.sliding_window or 0)
+            first = self.model.decoder_layers[0]
+            spec = first.self_attn.layer
+            sizes = (
+                spec.num_heads,
+                spec.num_kv_heads,
+                spec.head_dim,
+                first.input_layernorm.eps,
+                spec.scale,
+                _min_rows(first.self_attn.qkv_proj),
+            )
+            self._args = (weights, biases, windows, sizes)
+        return self._args
+
+    def _linears(self) -> list[nn.Linear]:
+        return [
+            module
+            for layer in self.model.decoder_layers
+            for module in (
+                layer.self_attn.qkv_proj,
+                layer.self_attn.o_proj,
+                layer.mlp.gate_up_proj,
+                layer.mlp.down_proj,
+            )
+        ]
+
+    def _norms(self) -> list[Any]:
+        return [
+            norm
+            for layer in self.model.decoder_layers
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm)
+        ]
+
+
+def _min_rows(linear: nn.Linear) -> int:
+    """From how many rows the eager forward takes oneDNN for this layer (0: never)."""
+    return linear.min_rows if isinstance(linear, OneDnnLinear) else 0
