@@ -5,10 +5,14 @@
 // a fork/join of the thread pool, on a few hundred kilobytes at decode batch sizes; here each
 // is one pass over its rows (rows in parallel only when there are enough of them to pay).
 // Arithmetic follows transformers' order in float32: x * rsqrt(mean(x^2) + eps) * weight,
-// silu(g) = g / (1 + exp(-g)), and rotate-half RoPE (x1 cos - x2 sin, x2 cos + x1 sin).
+// silu(g) = g / (1 + exp(-g)), and rotate-half RoPE (x1 cos - x2 sin, x2 cos + x1 sin). In
+// bfloat16 every value is computed in float32 and rounded to bfloat16 wherever the chain of
+// torch operations transformers runs in bfloat16 rounds (after the normalisation and after the
+// weight; after SiLU and after the product; after each RoPE product and after their sum).
 //
-// Layouts: every tensor float32 with a contiguous last dimension; rows may be strided (views
-// such as the q/k/v columns of a fused projection's output are taken as they are).
+// Layouts: every tensor float32 or bfloat16 (one dtype per call) with a contiguous last
+// dimension; rows may be strided (views such as the q/k/v columns of a fused projection's
+// output are taken as they are).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -21,6 +25,7 @@
 #include <torch/library.h>
 
 #include "cpu_exp.h"
+#include "cpu_scalar.h"
 
 #include <algorithm>
 #include <cmath>
@@ -37,110 +42,145 @@ at::Tensor paged_decode(at::Tensor query, at::Tensor key_cache, at::Tensor value
 
 namespace {
 
+using brigade_cpu::from_float;
+using brigade_cpu::round_as;
+using brigade_cpu::to_float;
+
 // Rows per task such that a task holds at least ~16K elements (smaller work runs inline).
 inline int64_t grain(int64_t row_elements) {
   return std::max<int64_t>(1, 16384 / std::max<int64_t>(row_elements, 1));
 }
 
-void check_rows(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32");
+// Calls body(T{}) with T the C++ type of `dtype` (float32 or bfloat16).
+template <typename Body>
+void with_scalar(at::ScalarType dtype, const char* name, Body body) {
+  if (dtype == at::kFloat) {
+    body(float{});
+  } else if (dtype == at::kBFloat16) {
+    body(c10::BFloat16{});
+  } else {
+    TORCH_CHECK(false, name, " must be float32 or bfloat16");
+  }
+}
+
+void check_rows(const at::Tensor& t, const char* name, at::ScalarType dtype) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
+              " must be float32 or bfloat16");
+  TORCH_CHECK(t.scalar_type() == dtype, name, " must have the dtype of the other inputs");
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name,
               " must be [rows, features] with a contiguous last dimension");
 }
 
+void check_weight(const at::Tensor& weight, const at::Tensor& x) {
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous() &&
+                  weight.numel() == x.size(1),
+              "weight must be a contiguous vector of the input's width and dtype");
+}
+
 // out[row] = weight * (x * rsqrt(mean(x^2) + eps)) for x = a[row] (+ b[row]); with b, the sum
 // is also stored in sum[row].
+template <typename T>
 void norm_rows(const at::Tensor& a, const at::Tensor* b, const at::Tensor& weight, double eps,
                at::Tensor& out, at::Tensor* sum) {
   const int64_t rows = a.size(0), size = a.size(1);
-  const float* w = weight.data_ptr<float>();
+  const T* w = weight.data_ptr<T>();
   const float epsilon = static_cast<float>(eps);
   at::parallel_for(0, rows, grain(size), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
-      const float* x = a.data_ptr<float>() + row * a.stride(0);
-      float* o = out.data_ptr<float>() + row * out.stride(0);
-      const float* source = x;
+      const T* x = a.data_ptr<T>() + row * a.stride(0);
+      T* o = out.data_ptr<T>() + row * out.stride(0);
+      const T* source = x;
       if (b != nullptr) {
-        const float* y = b->data_ptr<float>() + row * b->stride(0);
-        float* s = sum->data_ptr<float>() + row * sum->stride(0);
+        const T* y = b->data_ptr<T>() + row * b->stride(0);
+        T* s = sum->data_ptr<T>() + row * sum->stride(0);
 #pragma omp simd
-        for (int64_t e = 0; e < size; ++e) s[e] = x[e] + y[e];
+        for (int64_t e = 0; e < size; ++e) s[e] = from_float<T>(to_float(x[e]) + to_float(y[e]));
         source = s;
       }
       float squares = 0.0f;
 #pragma omp simd reduction(+ : squares)
-      for (int64_t e = 0; e < size; ++e) squares += source[e] * source[e];
+      for (int64_t e = 0; e < size; ++e) squares += to_float(source[e]) * to_float(source[e]);
       const float inverse = 1.0f / std::sqrt(squares / static_cast<float>(size) + epsilon);
 #pragma omp simd
-      for (int64_t e = 0; e < size; ++e) o[e] = w[e] * (source[e] * inverse);
+      for (int64_t e = 0; e < size; ++e) {
+        o[e] = from_float<T>(to_float(w[e]) * round_as<T>(to_float(source[e]) * inverse));
+      }
     }
   });
 }
 
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
-  check_rows(x, "x");
-  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() &&
-                  weight.numel() == x.size(1),
-              "weight must be a contiguous float32 vector of x's width");
+  check_rows(x, "x", x.scalar_type());
+  check_weight(weight, x);
   auto out = at::empty(x.sizes(), x.options());
-  norm_rows(x, nullptr, weight, eps, out, nullptr);
+  with_scalar(x.scalar_type(), "x", [&](auto t) {
+    norm_rows<decltype(t)>(x, nullptr, weight, eps, out, nullptr);
+  });
   return out;
 }
 
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(at::Tensor hidden, at::Tensor delta,
                                                 at::Tensor weight, double eps) {
-  check_rows(hidden, "hidden");
-  check_rows(delta, "delta");
+  check_rows(hidden, "hidden", hidden.scalar_type());
+  check_rows(delta, "delta", hidden.scalar_type());
   TORCH_CHECK(hidden.sizes() == delta.sizes(), "hidden and delta must have one shape");
-  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() &&
-                  weight.numel() == hidden.size(1),
-              "weight must be a contiguous float32 vector of hidden's width");
+  check_weight(weight, hidden);
   auto sum = at::empty(hidden.sizes(), hidden.options());
   auto out = at::empty(hidden.sizes(), hidden.options());
-  norm_rows(hidden, &delta, weight, eps, out, &sum);
+  with_scalar(hidden.scalar_type(), "hidden", [&](auto t) {
+    norm_rows<decltype(t)>(hidden, &delta, weight, eps, out, &sum);
+  });
   return {sum, out};
 }
 
 // gate_up [rows, 2 * width] (gate columns first) -> silu(gate) * up [rows, width].
 at::Tensor silu_mul(at::Tensor gate_up) {
-  check_rows(gate_up, "gate_up");
+  check_rows(gate_up, "gate_up", gate_up.scalar_type());
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up must have an even width");
   const int64_t rows = gate_up.size(0), width = gate_up.size(1) / 2;
   auto out = at::empty({rows, width}, gate_up.options());
-  at::parallel_for(0, rows, grain(width), [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const float* gate = gate_up.data_ptr<float>() + row * gate_up.stride(0);
-      const float* up = gate + width;
-      float* o = out.data_ptr<float>() + row * width;
+  with_scalar(gate_up.scalar_type(), "gate_up", [&](auto type) {
+    using T = decltype(type);
+    at::parallel_for(0, rows, grain(width), [&](int64_t begin, int64_t end) {
+      for (int64_t row = begin; row < end; ++row) {
+        const T* gate = gate_up.data_ptr<T>() + row * gate_up.stride(0);
+        const T* up = gate + width;
+        T* o = out.data_ptr<T>() + row * width;
 #pragma omp simd
-      for (int64_t e = 0; e < width; ++e) {
-        o[e] = gate[e] / (1.0f + brigade_cpu::exp_clamped(-gate[e])) * up[e];
+        for (int64_t e = 0; e < width; ++e) {
+          const float g = to_float(gate[e]);
+          const float silu = round_as<T>(g / (1.0f + brigade_cpu::exp_clamped(-g)));
+          o[e] = from_float<T>(silu * to_float(up[e]));
+        }
       }
-    }
+    });
   });
   return out;
 }
 
 // x [tokens, heads, head_dim] (strided tokens, contiguous heads) -> rotated, contiguous.
-at::Tensor rotate(const at::Tensor& x, const float* cos, const float* sin, int64_t half) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 3 && x.stride(2) == 1 &&
-                  x.stride(1) == x.size(2) && x.size(2) == 2 * half,
-              "q and k must be float32 [tokens, heads, head_dim] with contiguous heads");
+template <typename T>
+at::Tensor rotate(const at::Tensor& x, const T* cos, const T* sin, int64_t half) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2) &&
+                  x.size(2) == 2 * half,
+              "q and k must be [tokens, heads, head_dim] with contiguous heads");
   const int64_t tokens = x.size(0), heads = x.size(1), head_dim = x.size(2);
   auto out = at::empty({tokens, heads, head_dim}, x.options());
   at::parallel_for(0, tokens, grain(heads * head_dim), [&](int64_t begin, int64_t end) {
     for (int64_t token = begin; token < end; ++token) {
-      const float* c = cos + token * half;
-      const float* s = sin + token * half;
+      const T* c = cos + token * half;
+      const T* s = sin + token * half;
       for (int64_t head = 0; head < heads; ++head) {
-        const float* x1 = x.data_ptr<float>() + token * x.stride(0) + head * head_dim;
-        const float* x2 = x1 + half;
-        float* o1 = out.data_ptr<float>() + (token * heads + head) * head_dim;
-        float* o2 = o1 + half;
+        const T* x1 = x.data_ptr<T>() + token * x.stride(0) + head * head_dim;
+        const T* x2 = x1 + half;
+        T* o1 = out.data_ptr<T>() + (token * heads + head) * head_dim;
+        T* o2 = o1 + half;
 #pragma omp simd
         for (int64_t e = 0; e < half; ++e) {
-          o1[e] = x1[e] * c[e] - x2[e] * s[e];
-          o2[e] = x2[e] * c[e] + x1[e] * s[e];
+          const float a = to_float(x1[e]), b = to_float(x2[e]);
+          const float ce = to_float(c[e]), se = to_float(s[e]);
+          o1[e] = from_float<T>(round_as<T>(a * ce) - round_as<T>(b * se));
+          o2[e] = from_float<T>(round_as<T>(b * ce) + round_as<T>(a * se));
         }
       }
     }
@@ -148,26 +188,36 @@ at::Tensor rotate(const at::Tensor& x, const float* cos, const float* sin, int64
   return out;
 }
 
-// q [tokens, heads, head_dim], k [tokens, kv_heads, head_dim]; cos, sin [tokens, head_dim / 2].
+// q [tokens, heads, head_dim], k [tokens, kv_heads, head_dim]; cos, sin [tokens, head_dim / 2],
+// all of one dtype.
 std::tuple<at::Tensor, at::Tensor> rope(at::Tensor q, at::Tensor k, at::Tensor cos,
                                         at::Tensor sin) {
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
-                  cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 &&
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(k.scalar_type() == dtype && cos.scalar_type() == dtype &&
+                  sin.scalar_type() == dtype,
+              "q, k, cos and sin must have one dtype");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 &&
                   cos.sizes() == sin.sizes(),
-              "cos and sin must be contiguous float32 [tokens, head_dim / 2] tensors");
+              "cos and sin must be contiguous [tokens, head_dim / 2] tensors");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(0) == cos.size(0) &&
                   k.size(0) == cos.size(0),
               "q, k, cos and sin need one row per token");
   const int64_t half = cos.size(1);
-  return {rotate(q, cos.data_ptr<float>(), sin.data_ptr<float>(), half),
-          rotate(k, cos.data_ptr<float>(), sin.data_ptr<float>(), half)};
+  std::tuple<at::Tensor, at::Tensor> out;
+  with_scalar(dtype, "q", [&](auto type) {
+    using T = decltype(type);
+    const T* c = cos.data_ptr<T>();
+    const T* s = sin.data_ptr<T>();
+    out = {rotate(q, c, s, half), rotate(k, c, s, half)};
+  });
+  return out;
 }
 
-// The model's linear layer as the eager forward runs it (``OneDnnLinear``): oneDNN's matmul
-// on the weight as loaded from `min_rows` rows up, F.linear (MKL) below (min_rows 0: never).
+// The model's linear layer as the eager forward runs it: oneDNN's matmul (``CpuLinear``, on a
+// packed or dense weight) or F.linear (a plain ``nn.Linear``).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
-                  const std::optional<at::Tensor>& bias, int64_t min_rows) {
-  if (min_rows <= 0 || x.size(0) < min_rows) return at::linear(x, weight, bias);
+                  const std::optional<at::Tensor>& bias, bool onednn) {
+  if (!onednn) return at::linear(x, weight, bias);
   static const c10::OperatorHandle op =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   const at::Tensor flat = x.is_contiguous() ? x : x.contiguous();
@@ -197,7 +247,7 @@ at::Tensor decode_layers(at::Tensor hidden, at::Tensor cos, at::Tensor sin,
                          std::vector<at::Tensor> weights,
                          c10::List<std::optional<at::Tensor>> biases, std::vector<int64_t> windows,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
-                         double scale, int64_t min_rows) {
+                         double scale, bool onednn) {
   const int64_t num_layers = static_cast<int64_t>(key_caches.size());
   TORCH_CHECK(value_caches.size() == key_caches.size() &&
                   static_cast<int64_t>(weights.size()) == 6 * num_layers &&
@@ -210,7 +260,7 @@ at::Tensor decode_layers(at::Tensor hidden, at::Tensor cos, at::Tensor sin,
     const at::Tensor* w = weights.data() + 6 * l;
     const auto bias = [&](int64_t i) -> std::optional<at::Tensor> { return biases.get(4 * l + i); };
     const at::Tensor normed = rms_norm(hidden, w[0], eps);
-    const at::Tensor qkv = linear(normed, w[1], bias(0), min_rows);
+    const at::Tensor qkv = linear(normed, w[1], bias(0), onednn);
     const at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
     const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim});
     const at::Tensor v =
@@ -218,14 +268,16 @@ at::Tensor decode_layers(at::Tensor hidden, at::Tensor cos, at::Tensor sin,
     auto [q_rot, k_rot] = rope(q, k, cos, sin);
     at::Tensor& key_cache = key_caches[l];
     at::Tensor& value_cache = value_caches[l];
-    key_cache.view({-1, num_kv_heads, head_dim}).index_copy_(0, slot_mapping, k_rot);
-    value_cache.view({-1, num_kv_heads, head_dim}).index_copy_(0, slot_mapping, v);
+    key_cache.view({-1, num_kv_heads, head_dim})
+        .index_copy_(0, slot_mapping, k_rot.to(key_cache.scalar_type()));
+    value_cache.view({-1, num_kv_heads, head_dim})
+        .index_copy_(0, slot_mapping, v.to(value_cache.scalar_type()));
     const at::Tensor attention =
         paged_decode(q_rot, key_cache, value_cache, block_tables, seq_lens, windows[l], scale);
-    const at::Tensor delta = linear(attention.view({tokens, q_size}), w[2], bias(1), min_rows);
+    const at::Tensor delta = linear(attention.view({tokens, q_size}), w[2], bias(1), onednn);
     auto [summed, post] = add_rms_norm(hidden, delta, w[3], eps);
-    const at::Tensor gate_up = linear(post, w[4], bias(2), min_rows);
-    hidden = at::add(summed, linear(silu_mul(gate_up), w[5], bias(3), min_rows));
+    const at::Tensor gate_up = linear(post, w[4], bias(2), onednn);
+    hidden = at::add(summed, linear(silu_mul(gate_up), w[5], bias(3), onednn));
   }
   return hidden;
 }

@@ -6,9 +6,11 @@
 // summed. Nothing is gathered into a dense copy and no row reads past its own length, so a
 // batch of mixed lengths costs what its rows' tokens cost.
 //
-// Layouts (contiguous): query [rows, heads, head_dim] float32; key_cache and value_cache
-// [pages, page_size, kv_heads, head_dim] float32 or bfloat16; block_tables [rows, max_pages]
-// int64; seq_lens [rows] int64; out [rows, heads, head_dim] float32.
+// Layouts (contiguous): query [rows, heads, head_dim] float32 or bfloat16; key_cache and
+// value_cache [pages, page_size, kv_heads, head_dim] float32 or bfloat16; block_tables
+// [rows, max_pages] int64; seq_lens [rows] int64; out [rows, heads, head_dim] in the query's
+// dtype. Arithmetic is float32 throughout (a bfloat16 query is widened, the output rounded
+// once).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -16,7 +18,7 @@
 #include <torch/library.h>
 
 #include "cpu_exp.h"
-#include <c10/util/BFloat16.h>
+#include "cpu_scalar.h"
 
 #include <algorithm>
 #include <cmath>
@@ -28,8 +30,7 @@
 
 namespace {
 
-inline float to_float(float value) { return value; }
-inline float to_float(c10::BFloat16 value) { return static_cast<float>(value); }
+using brigade_cpu::to_float;
 
 // Scores of `group` query heads against one key vector: out[g * stride] = q_g . key * scale.
 template <typename Cache>
@@ -73,136 +74,261 @@ inline void add_value(const float* weights, const Cache* value, float* accumulat
   }
 }
 
-// Float32 caches with head_dim a multiple of 8 take blocked loops on 8-float vectors (GCC
-// vector extensions: AVX/AVX-512/NEON as the CPU has): eight keys' dot products at a time with
-// eight independent accumulators instead of one dependent reduction chain per key, and the
-// weighted value sum of one head held in registers across all of a row's keys.
+// Caches with head_dim a multiple of the vector width (16 floats with AVX-512, else 8: GCC
+// vector extensions, so AVX/AVX-512/NEON as the CPU has) take vector loops that walk each row
+// page by page (the page and slot arithmetic once per page, not per key), load each key and
+// value once for all query heads of its KV head, and widen bfloat16 as it is loaded.
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+constexpr int kMaxChunks = 8;  // head_dim up to 8 vectors (128 with AVX-512, 64 without)
+typedef float vecf __attribute__((vector_size(4 * kLanes)));
+typedef uint16_t vech __attribute__((vector_size(2 * kLanes)));
+typedef uint32_t vecw __attribute__((vector_size(4 * kLanes)));
 typedef float vec8 __attribute__((vector_size(32)));
+typedef float vec4 __attribute__((vector_size(16)));
 
-inline vec8 load8(const float* p) {
-  vec8 v;
+inline vecf load_vec(const float* p) {
+  vecf v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
 
-inline float sum8(vec8 v) {
-  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+inline vecf load_vec(const c10::BFloat16* p) {
+  vech half;
+  std::memcpy(&half, p, sizeof(half));
+  const vecw wide = __builtin_convertvector(half, vecw) << 16;  // bfloat16 -> float32 bits
+  vecf v;
+  std::memcpy(&v, &wide, sizeof(v));
+  return v;
 }
 
-// Scores s[t] = q . key(t) * scale for t in [0, count); key(t) is at keys(t).
-template <typename KeyAt>
-inline void score_block8(const float* q, KeyAt keys, float* s, int64_t count, int64_t head_dim,
-                         float scale) {
+inline float sum_lanes(vecf v) {
+#if defined(__AVX512F__)
+  const vec8 half = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                    __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  const vec8 half = v;
+#endif
+  const vec4 quarter =
+      __builtin_shufflevector(half, half, 0, 1, 2, 3) + __builtin_shufflevector(half, half, 4, 5, 6, 7);
+  return (quarter[0] + quarter[2]) + (quarter[1] + quarter[3]);
+}
+
+// Calls visit(offset, next, t0, n) once per page of positions [first, length) of a row whose
+// pages are `pages`: the page's keys t0 .. t0 + n - 1 start at element `offset` of the cache,
+// and the next page's at `next` (-1 on the last page), for prefetching.
+template <typename Visit>
+inline void for_each_page(const int64_t* pages, int64_t first, int64_t length, int64_t page_size,
+                          int64_t page_stride, int64_t token_stride, Visit visit) {
   int64_t t = 0;
-  for (; t + 8 <= count; t += 8) {
-    const float* k[8];
-    for (int j = 0; j < 8; ++j) k[j] = keys(t + j);
-    vec8 acc[8] = {};
-    for (int64_t e = 0; e < head_dim; e += 8) {
-      const vec8 qv = load8(q + e);
-      for (int j = 0; j < 8; ++j) acc[j] += qv * load8(k[j] + e);
-    }
-    for (int j = 0; j < 8; ++j) s[t + j] = sum8(acc[j]) * scale;
-  }
-  for (; t < count; ++t) {
-    const float* key = keys(t);
-    vec8 acc = {};
-    for (int64_t e = 0; e < head_dim; e += 8) acc += load8(q + e) * load8(key + e);
-    s[t] = sum8(acc) * scale;
+  int64_t page = first / page_size, slot = first % page_size;
+  const int64_t last = (length - 1) / page_size;
+  for (; page <= last; ++page, slot = 0) {
+    const int64_t n = std::min(page_size, length - page * page_size) - slot;
+    const int64_t next = page < last ? pages[page + 1] * page_stride : -1;
+    visit(pages[page] * page_stride + slot * token_stride, next, t, n);
+    t += n;
   }
 }
 
-// out[0:head_dim] = sum over t of w[t] * value(t), 64 floats (8 vectors in registers) at a time.
-template <typename ValueAt>
-inline void weighted_sum8(const float* w, ValueAt values, float* out, int64_t count,
-                          int64_t head_dim) {
-  for (int64_t base = 0; base < head_dim; base += 64) {
-    const int64_t width = std::min<int64_t>(64, head_dim - base) / 8;
-    vec8 acc[8] = {};
-    for (int64_t t = 0; t < count; ++t) {
-      const float* v = values(t) + base;
-      const vec8 weight = vec8{} + w[t];
-      for (int64_t i = 0; i < width; ++i) acc[i] += weight * load8(v + 8 * i);
-    }
-    for (int64_t i = 0; i < width; ++i) std::memcpy(out + base + 8 * i, &acc[i], sizeof(vec8));
-  }
+// Pages are scattered over the pool, so the hardware cannot see the next one coming: while a
+// page's slot j is read, the same slot of the next page is fetched (the `bytes` of its heads
+// this item reads).
+inline void prefetch_span(const void* slot, int64_t bytes) {
+  const char* line = static_cast<const char*>(slot);
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(line + b);
+}
+
+// One row's KV heads [h0, h0 + kv_heads): their query heads q [kv_heads * group, head_dim]
+// against the row's keys in [first, length) -> o [kv_heads * group, head_dim] (head_dim =
+// C * kLanes); `offset` is h0's element offset within a slot, s holds [kv_heads * group,
+// count] scores as scratch. Both passes walk the pages in order, reading each slot's heads
+// as one contiguous span; the values pass sums a page's slots for two query heads at a time in
+// registers, while the page is hot in L1.
+template <int C, typename Cache>
+void attend_vec(const float* q, const Cache* key_cache, const Cache* value_cache,
+                const int64_t* pages, int64_t first, int64_t length, int64_t offset,
+                int64_t kv_heads, int64_t group, int64_t page_size, int64_t page_stride,
+                int64_t token_stride, float scale, float* s, float* o) {
+  constexpr int64_t head_dim = C * kLanes;
+  const int64_t count = length - first;
+  const int64_t heads = kv_heads * group;
+  const int64_t span_bytes = kv_heads * head_dim * static_cast<int64_t>(sizeof(Cache));
+  // Pass 1: scores, each key loaded once for all the query heads of its KV head.
+  for_each_page(pages, first, length, page_size, page_stride, token_stride,
+                [&](int64_t page, int64_t next, int64_t t0, int64_t n) {
+                  const Cache* slot = key_cache + page + offset;
+                  const Cache* ahead = key_cache + next + offset;
+                  for (int64_t j = 0; j < n; ++j, slot += token_stride) {
+                    if (next >= 0) prefetch_span(ahead + j * token_stride, span_bytes);
+                    for (int64_t h = 0; h < kv_heads; ++h) {
+                      vecf k[C];
+                      for (int c = 0; c < C; ++c) k[c] = load_vec(slot + h * head_dim + c * kLanes);
+                      for (int64_t g = h * group; g < (h + 1) * group; ++g) {
+                        const float* qg = q + g * head_dim;
+                        vecf acc = k[0] * load_vec(qg);
+                        for (int c = 1; c < C; ++c) acc += k[c] * load_vec(qg + c * kLanes);
+                        s[g * count + t0 + j] = sum_lanes(acc) * scale;
+                      }
+                    }
+                  }
+                });
+  softmax_rows(s, heads, count);
+  // Pass 2: the weighted values.
+  std::fill(o, o + heads * head_dim, 0.0f);
+  for_each_page(
+      pages, first, length, page_size, page_stride, token_stride,
+      [&](int64_t page, int64_t next, int64_t t0, int64_t n) {
+        const Cache* base = value_cache + page + offset;
+        const Cache* ahead = value_cache + next + offset;
+        for (int64_t g0 = 0; g0 < heads; g0 += 2) {
+          const int64_t h0 = g0 / group, h1 = std::min(g0 + 1, heads - 1) / group;
+          const float* w0 = s + g0 * count + t0;
+          const float* w1 = s + std::min(g0 + 1, heads - 1) * count + t0;
+          vecf acc0[C] = {}, acc1[C] = {};
+          const Cache* slot = base;
+          for (int64_t j = 0; j < n; ++j, slot += token_stride) {
+            if (g0 == 0 && next >= 0) prefetch_span(ahead + j * token_stride, span_bytes);
+            const vecf a = vecf{} + w0[j], b = vecf{} + w1[j];
+            for (int c = 0; c < C; ++c) {
+              acc0[c] += a * load_vec(slot + h0 * head_dim + c * kLanes);
+              acc1[c] += b * load_vec(slot + h1 * head_dim + c * kLanes);
+            }
+          }
+          float* o0 = o + g0 * head_dim;
+          for (int c = 0; c < C; ++c) {
+            const vecf sum = load_vec(o0 + c * kLanes) + acc0[c];
+            std::memcpy(o0 + c * kLanes, &sum, sizeof(sum));
+          }
+          if (g0 + 1 < heads) {
+            float* o1 = o0 + head_dim;
+            for (int c = 0; c < C; ++c) {
+              const vecf sum = load_vec(o1 + c * kLanes) + acc1[c];
+              std::memcpy(o1 + c * kLanes, &sum, sizeof(sum));
+            }
+          }
+        }
+      });
 }
 
 template <typename Cache>
-void decode_rows(const float* query, const Cache* key_cache, const Cache* value_cache,
-                 const int64_t* block_tables, const int64_t* seq_lens, float* out,
+using AttendVec = void (*)(const float*, const Cache*, const Cache*, const int64_t*, int64_t,
+                           int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float,
+                           float*, float*);
+
+// attend_vec for this head_dim, or nullptr when it is not 1..kMaxChunks vectors.
+template <typename Cache>
+AttendVec<Cache> attend_vec_for(int64_t head_dim) {
+  if (head_dim % kLanes != 0) return nullptr;
+  switch (head_dim / kLanes) {
+    case 1: return attend_vec<1, Cache>;
+    case 2: return attend_vec<2, Cache>;
+    case 3: return attend_vec<3, Cache>;
+    case 4: return attend_vec<4, Cache>;
+    case 5: return attend_vec<5, Cache>;
+    case 6: return attend_vec<6, Cache>;
+    case 7: return attend_vec<7, Cache>;
+    case kMaxChunks: return attend_vec<kMaxChunks, Cache>;
+    default: return nullptr;
+  }
+}
+
+// Any head_dim: one key at a time, scores then values (the group's heads side by side);
+// the result is left in `accumulator` [group, head_dim].
+template <typename Cache>
+void attend_scalar(const float* q, const Cache* key_cache, const Cache* value_cache,
+                   const int64_t* pages, int64_t first, int64_t count, int64_t length,
+                   int64_t kv_head, int64_t group, int64_t head_dim, int64_t page_size,
+                   int64_t page_stride, int64_t token_stride, float scale, float* s,
+                   float* accumulator) {
+  const int64_t last_page = (length - 1) / page_size;
+  // Pass 1: scores [group, count] (column t of head g at s[g * count + t]).
+  for (int64_t t = 0; t < count; ++t) {
+    const int64_t position = first + t;
+    const int64_t page = position / page_size;
+    if (position % page_size == 0 && page < last_page) {
+      // Pages are scattered, so the hardware cannot see the next one coming: start its
+      // first cache lines of both K and V now.
+      const int64_t next = pages[page + 1] * page_stride + kv_head * head_dim;
+      for (int64_t slot = 0; slot < page_size; slot += 4) {
+        __builtin_prefetch(key_cache + next + slot * token_stride);
+        __builtin_prefetch(value_cache + next + slot * token_stride);
+      }
+    }
+    const Cache* key = key_cache + pages[page] * page_stride +
+                       (position % page_size) * token_stride + kv_head * head_dim;
+    score_key(q, key, s + t, count, group, head_dim, scale);
+  }
+  softmax_rows(s, group, count);
+  // Pass 2: the weighted sum of the values.
+  std::fill(accumulator, accumulator + group * head_dim, 0.0f);
+  for (int64_t t = 0; t < count; ++t) {
+    const int64_t position = first + t;
+    const Cache* value = value_cache + pages[position / page_size] * page_stride +
+                         (position % page_size) * token_stride + kv_head * head_dim;
+    add_value(s + t, value, accumulator, count, group, head_dim);
+  }
+}
+
+template <typename Query, typename Cache>
+void decode_rows(const Query* query, const Cache* key_cache, const Cache* value_cache,
+                 const int64_t* block_tables, const int64_t* seq_lens, Query* out,
                  int64_t num_rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                  int64_t page_size, int64_t max_pages, int64_t window, float scale) {
+  constexpr bool widen = !std::is_same_v<Query, float>;
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * head_dim;  // between slots of one page
   const int64_t page_stride = page_size * token_stride;
   int64_t longest = 0;
   for (int64_t row = 0; row < num_rows; ++row) longest = std::max(longest, seq_lens[row]);
-  at::parallel_for(0, num_rows * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(group * std::max<int64_t>(longest, 1));
+  const AttendVec<Cache> vectorized = attend_vec_for<Cache>(head_dim);
+  // A task is a row's KV heads together (their keys and values are contiguous in a slot),
+  // unless there are too few rows to keep every thread busy: then one KV head of a row.
+  const int64_t span =
+      vectorized != nullptr && num_rows >= 2 * at::get_num_threads() ? num_kv_heads : 1;
+  const int64_t spans = num_kv_heads / span;
+  const int64_t width = span * group * head_dim;  // a task's query (and output) elements
+  at::parallel_for(0, num_rows * spans, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(span * group * std::max<int64_t>(longest, 1));
     std::vector<float> accumulator(group * head_dim);
+    std::vector<float> widened(widen ? 2 * width : 0);  // query, then output
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t row = item / num_kv_heads;
-      const int64_t kv_head = item % num_kv_heads;
+      const int64_t row = item / spans;
+      const int64_t kv_head = (item % spans) * span;
       const int64_t length = seq_lens[row];
       const int64_t first = window > 0 ? std::max<int64_t>(0, length - window) : 0;
       const int64_t count = length - first;
       const int64_t* pages = block_tables + row * max_pages;
-      const float* q = query + (row * num_heads + kv_head * group) * head_dim;
-      float* o = out + (row * num_heads + kv_head * group) * head_dim;
+      const int64_t head_offset = (row * num_heads + kv_head * group) * head_dim;
+      const float* q;
+      float* o;
+      if constexpr (widen) {
+        for (int64_t e = 0; e < width; ++e) widened[e] = to_float(query[head_offset + e]);
+        q = widened.data();
+        o = widened.data() + width;
+      } else {
+        q = query + head_offset;
+        o = out + head_offset;
+      }
       if (count <= 0) {  // nothing to attend to (not a decode row): zeros, never garbage
-        std::fill(o, o + group * head_dim, 0.0f);
-        continue;
+        std::fill(o, o + width, 0.0f);
+      } else if (vectorized != nullptr) {
+        vectorized(q, key_cache, value_cache, pages, first, length, kv_head * head_dim, span,
+                   group, page_size, page_stride, token_stride, scale, scores.data(), o);
+      } else {
+        attend_scalar(q, key_cache, value_cache, pages, first, count, length, kv_head, group,
+                      head_dim, page_size, page_stride, token_stride, scale, scores.data(),
+                      accumulator.data());
+        std::copy(accumulator.begin(), accumulator.end(), o);
       }
-      float* s = scores.data();
-      if constexpr (std::is_same_v<Cache, float>) {
-        if (head_dim % 8 == 0) {
-          const int64_t offset = kv_head * head_dim;
-          const auto at = [&](const float* cache) {
-            return [=](int64_t t) {
-              const int64_t position = first + t;
-              return cache + pages[position / page_size] * page_stride +
-                     (position % page_size) * token_stride + offset;
-            };
-          };
-          for (int64_t g = 0; g < group; ++g) {
-            score_block8(q + g * head_dim, at(key_cache), s + g * count, count, head_dim, scale);
-          }
-          softmax_rows(s, group, count);
-          for (int64_t g = 0; g < group; ++g) {
-            weighted_sum8(s + g * count, at(value_cache), o + g * head_dim, count, head_dim);
-          }
-          continue;
+      if constexpr (widen) {
+        for (int64_t e = 0; e < width; ++e) {
+          out[head_offset + e] = brigade_cpu::from_float<Query>(o[e]);
         }
       }
-      const int64_t last_page = (length - 1) / page_size;
-      // Pass 1: scores [group, count] (column t of head g at s[g * count + t]).
-      for (int64_t t = 0; t < count; ++t) {
-        const int64_t position = first + t;
-        const int64_t page = position / page_size;
-        if (position % page_size == 0 && page < last_page) {
-          // Pages are scattered, so the hardware cannot see the next one coming: start its
-          // first cache lines of both K and V now.
-          const int64_t next = pages[page + 1] * page_stride + kv_head * head_dim;
-          for (int64_t slot = 0; slot < page_size; slot += 4) {
-            __builtin_prefetch(key_cache + next + slot * token_stride);
-            __builtin_prefetch(value_cache + next + slot * token_stride);
-          }
-        }
-        const Cache* key = key_cache + pages[page] * page_stride +
-                           (position % page_size) * token_stride + kv_head * head_dim;
-        score_key(q, key, s + t, count, group, head_dim, scale);
-      }
-      softmax_rows(s, group, count);
-      // Pass 2: the weighted sum of the values.
-      std::fill(accumulator.begin(), accumulator.end(), 0.0f);
-      for (int64_t t = 0; t < count; ++t) {
-        const int64_t position = first + t;
-        const Cache* value = value_cache + pages[position / page_size] * page_stride +
-                             (position % page_size) * token_stride + kv_head * head_dim;
-        add_value(s + t, value, accumulator.data(), count, group, head_dim);
-      }
-      std::copy(accumulator.begin(), accumulator.end(), o);
     }
   });
 }
@@ -212,8 +338,9 @@ void decode_rows(const float* query, const Cache* key_cache, const Cache* value_
 at::Tensor paged_decode(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
                            at::Tensor block_tables, at::Tensor seq_lens, int64_t window,
                            double scale) {
-  TORCH_CHECK(query.dim() == 3 && query.scalar_type() == at::kFloat && query.is_contiguous(),
-              "query must be a contiguous float32 [rows, heads, head_dim] tensor");
+  TORCH_CHECK(query.dim() == 3 && query.is_contiguous() &&
+                  (query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16),
+              "query must be a contiguous float32 or bfloat16 [rows, heads, head_dim] tensor");
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous() &&
                   key_cache.sizes() == value_cache.sizes() &&
                   key_cache.scalar_type() == value_cache.scalar_type(),
@@ -236,16 +363,23 @@ at::Tensor paged_decode(at::Tensor query, at::Tensor key_cache, at::Tensor value
                 " tokens but its block table holds ", capacity);
   }
   auto out = at::empty_like(query);
-  const auto common = [&](auto* keys, auto* values) {
-    decode_rows(query.data_ptr<float>(), keys, values, block_tables.data_ptr<int64_t>(),
-                seq_lens.data_ptr<int64_t>(), out.data_ptr<float>(), num_rows, num_heads,
-                num_kv_heads, head_dim, page_size, block_tables.size(1), window,
-                static_cast<float>(scale));
+  const auto run = [&](auto* queries, auto* keys, auto* values) {
+    decode_rows(queries, keys, values, block_tables.data_ptr<int64_t>(),
+                seq_lens.data_ptr<int64_t>(), static_cast<decltype(queries)>(out.data_ptr()),
+                num_rows, num_heads, num_kv_heads, head_dim, page_size, block_tables.size(1),
+                window, static_cast<float>(scale));
+  };
+  const auto with_query = [&](auto* keys, auto* values) {
+    if (query.scalar_type() == at::kFloat) {
+      run(query.data_ptr<float>(), keys, values);
+    } else {
+      run(query.data_ptr<c10::BFloat16>(), keys, values);
+    }
   };
   if (key_cache.scalar_type() == at::kFloat) {
-    common(key_cache.data_ptr<float>(), value_cache.data_ptr<float>());
+    with_query(key_cache.data_ptr<float>(), value_cache.data_ptr<float>());
   } else if (key_cache.scalar_type() == at::kBFloat16) {
-    common(key_cache.data_ptr<c10::BFloat16>(), value_cache.data_ptr<c10::BFloat16>());
+    with_query(key_cache.data_ptr<c10::BFloat16>(), value_cache.data_ptr<c10::BFloat16>());
   } else {
     TORCH_CHECK(false, "the KV cache must be float32 or bfloat16");
   }

@@ -213,8 +213,10 @@ class SdpaBackend(AttentionBackend):
         kernel = self._decode_kernel(query.device) if meta.num_decodes else None
         if kernel is not None:
             decodes = meta.num_decodes
+            native = query.dtype in (torch.float32, torch.bfloat16)
             output[:decodes] = kernel(
-                query[:decodes].float().contiguous(),  # [D, heads, head_dim]
+                # [D, heads, head_dim], float32 or bfloat16 as the kernel reads them
+                (query[:decodes] if native else query[:decodes].float()).contiguous(),
                 kv_cache[0],
                 kv_cache[1],
                 meta.block_tables[:decodes],

@@ -25,7 +25,7 @@ from brigade.interfaces import (
 )
 from brigade.interfaces.executor import DTYPE_NAMES
 from brigade.model_input import SeqChunk, build_model_input
-from brigade.plugins.executors.cpu_gemm import use_onednn_linears
+from brigade.plugins.executors.cpu_gemm import CPU_LINEAR_MODES, use_cpu_linears
 from brigade.plugins.models.decoder import CpuFusion
 
 if TYPE_CHECKING:
@@ -63,24 +63,26 @@ class TorchExecutorOptions:
         "warning. Off by default: on the CPUs measured so far it did not pay "
         "(docs/benchmarks.md). Ignored on CUDA (the cuda-graph executor has its own)",
     )
-    onednn_min_rows: int = option(
-        1,
-        help="on a CPU in float32, run the linear layers through oneDNN's matmul (on the "
-        "weights as loaded, no copy) for steps of at least this many tokens, and through "
-        "F.linear (MKL) below that; 0 = never (docs/benchmarks.md has the measurements "
-        "behind the default). Not used with compile",
-        ge=0,
+    cpu_linear: str = option(
+        "packed",
+        help="on a CPU in float32 or bfloat16, how linear layers and the LM head run: "
+        "'packed' = oneDNN's matmul on weights reordered once at load into the layout its "
+        "kernels read on this CPU (the reordered copy replaces the loaded one; with tied "
+        "embeddings the LM head gets its own copy), 'onednn' = oneDNN on the weights as "
+        "loaded, 'plain' = F.linear (docs/benchmarks.md has the measurements behind the "
+        "default). Not used with compile",
+        choices=CPU_LINEAR_MODES,
     )
     fused_ops: bool = option(
         True,
-        help="on a CPU in float32, run a decoder layer's small operations (RMSNorm, the "
-        "residual add before the second norm, SiLU-mul, RoPE) as Brigade's fused C++ kernels "
+        help="on a CPU in float32 or bfloat16, run a decoder layer's small operations (RMSNorm, "
+        "the residual add before the second norm, SiLU-mul, RoPE) as Brigade's fused C++ kernels "
         "(built once, like the attention kernel); false = torch's operations",
     )
     fused_decode: bool = option(
         True,
-        help="on a CPU in float32, with fused_ops, run all decoder layers of a pure decode "
-        "step as one C++ call (the same kernels in the same order as the eager forward, so "
+        help="on a CPU in float32 or bfloat16, with fused_ops, run all decoder layers of a pure "
+        "decode step as one C++ call (the same kernels in the same order as the eager forward, so "
         "identical results, without Python's per-operation overhead); false = layer by layer",
     )
 
@@ -147,8 +149,8 @@ class TorchExecutor(Executor):
         architecture.load_weights(self.model, checkpoint.weights(self.dtype, self.device))
         if isinstance(self.model, torch.nn.Module):
             self.model.eval()
-            if self.device.type == "cpu" and options.onednn_min_rows and not options.compile:
-                use_onednn_linears(self.model, options.onednn_min_rows)
+            if self.device.type == "cpu" and not options.compile:
+                use_cpu_linears(self.model, options.cpu_linear)
         if isinstance(fusion := getattr(self.model, "fusion", None), CpuFusion):
             fusion.enabled = options.fused_ops
         if (fused := getattr(self.model, "fused_decode", None)) is not None:

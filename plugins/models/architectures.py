@@ -88,6 +88,8 @@ class DecoderArchitecture(ModelArchitecture):
                 f" and {len(missing) - 5} more" if len(missing) > 5 else ""
             )
             raise ModelLoadError(f"checkpoint is missing {len(missing)} tensor(s): {shown}")
+        if tied:
+            model.tie_lm_head()
 
 
 class LlamaArchitecture(DecoderArchitecture):

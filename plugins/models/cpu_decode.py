@@ -1,11 +1,13 @@
-"""A pure decode step's decoder layers in one C++ call, on a CPU in float32.
+"""A pure decode step's decoder layers in one C++ call, on a CPU in float32 or bfloat16.
 
 At decode batch sizes the eager forward spends a large share of a step in Python and operator
 dispatch (~40 calls per layer around its four GEMMs: module calls, views, the KV write, the
 attention kernel, the fused small operations). ``torch.ops.brigade_cpu.decode_layers`` runs
 every layer with the same kernels in the same order, so its result is identical to the eager
 forward's (tested bit for bit); the eager forward remains the path for prefills, mixed steps,
-other backends, dtypes and devices, and models with qk norm (Qwen3).
+other backends, dtypes and devices, and models with qk norm (Qwen3). The linear layers are
+called as the eager forward calls them: oneDNN on the packed (or dense) weight of a
+``CpuLinear``, F.linear for a plain ``nn.Linear``.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 from torch import nn
 
 from brigade.plugins.attention.sdpa import SdpaBackend, SdpaMetadata
-from brigade.plugins.executors.cpu_gemm import OneDnnLinear
+from brigade.plugins.executors.cpu_gemm import CpuLinear
 
 __all__ = ["CpuDecodeLayers"]
 
@@ -51,7 +53,7 @@ class CpuDecodeLayers:
         ops = self.model.fusion.ops(hidden)
         if ops is None or not self._can_run(hidden.device):
             return None
-        if any(k.dtype is not torch.float32 for k, _ in kv_caches):
+        if any(k.dtype not in (torch.float32, torch.bfloat16) for k, _ in kv_caches):
             return None
         weights, biases, windows, sizes = self._layout()
         return ops.decode_layers(
@@ -80,7 +82,7 @@ class CpuDecodeLayers:
                 and isinstance(backend, SdpaBackend)
                 and backend._decode_kernel(device) is not None
                 and all(layer.self_attn.q_norm is None for layer in layers)
-                and len({_min_rows(m) for m in self._linears()}) == 1
+                and len({isinstance(m, CpuLinear) for m in self._linears()}) == 1
                 and len({n.eps for n in self._norms()}) == 1
             )
         return self._usable
@@ -95,11 +97,11 @@ class CpuDecodeLayers:
                 linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
                 weights += [
                     layer.input_layernorm.weight,
-                    attention.qkv_proj.weight,
-                    attention.o_proj.weight,
+                    _gemm_weight(attention.qkv_proj),
+                    _gemm_weight(attention.o_proj),
                     layer.post_attention_layernorm.weight,
-                    mlp.gate_up_proj.weight,
-                    mlp.down_proj.weight,
+                    _gemm_weight(mlp.gate_up_proj),
+                    _gemm_weight(mlp.down_proj),
                 ]
                 biases += [linear.bias for linear in linears]
                 windows.append(attention.layer.sliding_window or 0)
@@ -111,12 +113,12 @@ class CpuDecodeLayers:
                 spec.head_dim,
                 first.input_layernorm.eps,
                 spec.scale,
-                _min_rows(first.self_attn.qkv_proj),
+                isinstance(first.self_attn.qkv_proj, CpuLinear),
             )
             self._args = (weights, biases, windows, sizes)
         return self._args
 
-    def _linears(self) -> list[nn.Linear]:
+    def _linears(self) -> list[nn.Module]:
         return [
             module
             for layer in self.model.decoder_layers
@@ -136,6 +138,10 @@ class CpuDecodeLayers:
         ]
 
 
-def _min_rows(linear: nn.Linear) -> int:
-    """From how many rows the eager forward takes oneDNN for this layer (0: never)."""
-    return linear.min_rows if isinstance(linear, OneDnnLinear) else 0
+def _gemm_weight(linear: nn.Module) -> torch.Tensor:
+    """The weight the eager forward's GEMM reads for this layer (packed, or as loaded)."""
+    if isinstance(linear, CpuLinear):
+        return linear.gemm_weight
+    weight = linear.weight
+    assert isinstance(weight, torch.Tensor)
+    return weight

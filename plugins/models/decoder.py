@@ -11,8 +11,8 @@ attention) and ``finish_layer`` (o_proj, residual, MLP, residual), then ``final_
 model-level methods only pick the layer; the eager forward calls the same layer methods, so
 both paths run one implementation.
 
-On a CPU in float32 the small operations between the GEMMs (RMSNorm, the residual add before
-the post-attention norm, SiLU-mul, RoPE) run as Brigade's fused C++ kernels
+On a CPU in float32 or bfloat16 the small operations between the GEMMs (RMSNorm, the residual
+add before the post-attention norm, SiLU-mul, RoPE) run as Brigade's fused C++ kernels
 (``brigade.plugins.attention.cpu_kernels``) when they can be built, and as the torch
 operations transformers uses otherwise (and always elsewhere); :class:`CpuFusion` decides.
 """
@@ -29,7 +29,6 @@ from torch import nn
 
 from brigade.interfaces import AttentionBackend, AttentionLayer
 from brigade.plugins.attention.cpu_kernels import cpu_ops
-from brigade.plugins.executors.cpu_gemm import onednn_linear, onednn_usable
 from brigade.plugins.models.config import DecoderConfig
 from brigade.plugins.models.rope import apply_rope, rope_cos_sin
 
@@ -50,11 +49,12 @@ class CpuFusion:
     enabled: bool = True
 
     def ops(self, x: torch.Tensor) -> Any:
-        """``torch.ops.brigade_cpu`` for an eager float32 CPU tensor when the kernels are
-        built, else None (other devices and dtypes, and under torch.compile, which fuses)."""
+        """``torch.ops.brigade_cpu`` for an eager float32 or bfloat16 CPU tensor when the
+        kernels are built, else None (other devices and dtypes, and under torch.compile, which
+        fuses)."""
         if (
             not self.enabled
-            or x.dtype is not torch.float32
+            or x.dtype not in (torch.float32, torch.bfloat16)
             or x.device.type != "cpu"
             or torch.compiler.is_compiling()
         ):
@@ -327,12 +327,20 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[rows, hidden_size] -> float32 logits [rows, vocab_size]."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if weight.device.type == "cpu" and weight.dtype == torch.float32 and onednn_usable():
-            # The model's widest GEMM (hidden -> vocab): oneDNN runs it ~2x faster than
-            # F.linear at 1-128 rows on a CPU (docs/benchmarks.md), on the same weight.
-            return onednn_linear(hidden_states, weight)
-        return F.linear(hidden_states, weight).float()
+        if self.lm_head is None:  # tied, before tie_lm_head
+            return F.linear(hidden_states, self.embed_tokens.weight).float()
+        return cast("torch.Tensor", self.lm_head(hidden_states)).float()
+
+    def tie_lm_head(self) -> None:
+        """Give a model with tied embeddings an ``lm_head`` module that reads the embedding's
+        weight (no copy), once its weights are loaded: the model's widest GEMM then is a
+        linear layer like the others, which an executor may swap (the CPU GEMMs do)."""
+        if self.lm_head is not None:
+            return
+        with torch.device("meta"):
+            head = nn.Linear(self.config.hidden_size, self.vocab_size, bias=False)
+        head.weight = self.embed_tokens.weight
+        self.lm_head = head
 
     def checkpoint_targets(self) -> dict[str, tuple[torch.Tensor, int, int]]:
         """HF checkpoint name -> (parameter, first row, rows) that tensor fills.

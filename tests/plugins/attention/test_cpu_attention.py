@@ -66,10 +66,12 @@ def kernel() -> object:
         (9, 3, 16, 0, torch.float32, 64),  # SmolLM2's grouping
         (4, 4, 1, 0, torch.float32, 64),  # no grouping, one token per page
         (8, 2, 4, 5, torch.float32, 64),  # sliding window shorter than most rows
-        (8, 2, 16, 0, torch.bfloat16, 64),  # a bfloat16 cache (the scalar loops)
+        (8, 2, 16, 0, torch.bfloat16, 64),  # a bfloat16 cache (widened as it is loaded)
+        (8, 2, 4, 5, torch.bfloat16, 64),  # bfloat16 with a sliding window
         (4, 2, 16, 0, torch.float32, 128),  # two 64-float blocks per head
         (4, 2, 8, 0, torch.float32, 40),  # a partial block of vectors
         (4, 2, 8, 0, torch.float32, 36),  # not a multiple of 8: the scalar loops
+        (4, 2, 8, 0, torch.bfloat16, 36),  # the scalar loops on a bfloat16 cache
     ],
 )
 def test_paged_decode_equals_softmax_over_each_rows_own_keys(
@@ -90,6 +92,24 @@ def test_paged_decode_equals_softmax_over_each_rows_own_keys(
     out = kernel(query, keys, values, tables, seq_lens, window, scale)  # type: ignore[operator]
     expected = _reference(query, keys, values, tables, seq_lens, window, scale)
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [64, 36])
+def test_a_bfloat16_query_is_computed_in_float32_and_rounded_once(
+    kernel: object, head_dim: int
+) -> None:
+    lengths = [1, 7, 16, 17, 130, 3]
+    query, keys, values, tables, seq_lens = _paged_case(
+        lengths, heads=9, kv_heads=3, head_dim=head_dim, page_size=16, seed=5
+    )
+    query, keys, values = query.bfloat16(), keys.bfloat16(), values.bfloat16()
+    scale = head_dim**-0.5
+    out = kernel(query, keys, values, tables, seq_lens, 0, scale)  # type: ignore[operator]
+    assert out.dtype == torch.bfloat16
+    expected = _reference(query.float(), keys, values, tables, seq_lens, 0, scale)
+    # float32 arithmetic on the bfloat16 inputs, one rounding of the result: within half a
+    # bfloat16 unit of the exact value (plus float32 noise)
+    torch.testing.assert_close(out.float(), expected, atol=1e-5, rtol=2**-8)
 
 
 def test_a_row_longer_than_its_block_table_is_refused(kernel: object) -> None:

@@ -1,6 +1,6 @@
 """The fused CPU kernels of a decoder layer's small operations (``cpu_fused.cpp``) against the
 torch operations transformers uses, on contiguous and strided rows, one row and many (the
-parallel path), and the decoder with them on and off."""
+parallel path), in float32 and bfloat16, and the decoder with them on and off."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from executor_helpers import make_executor
 from brigade.model_input import SeqChunk, build_model_input
 from brigade.models.create import create_model
 from brigade.plugins.attention.cpu_kernels import cpu_ops
+from brigade.plugins.models.decoder import RMSNorm
 from brigade.plugins.models.rope import apply_rope
 
 ROWS = [1, 5, 300]
@@ -74,6 +75,43 @@ def test_rope_rotates_q_and_k_views_like_apply_rope(ops: object, rows: int) -> N
     assert torch.equal(qkv, before), "the inputs are left as they were"
 
 
+def _mostly_equal(ours: torch.Tensor, theirs: torch.Tensor, share: float = 0.99) -> None:
+    """bfloat16 results that round where transformers' chain of bfloat16 operations rounds:
+    equal but for rare one-unit differences (float32 sums in another order, another exp)."""
+    assert ours.dtype == theirs.dtype == torch.bfloat16
+    equal = (ours == theirs).float().mean().item()
+    assert equal >= share, f"only {equal:.1%} of the values equal transformers' arithmetic"
+    torch.testing.assert_close(ours.float(), theirs.float(), rtol=2**-7, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+def test_bfloat16_kernels_round_where_transformers_bfloat16_operations_do(
+    ops: object, rows: int
+) -> None:
+    weight = torch.randn(96, generator=torch.Generator().manual_seed(1)).bfloat16()
+    x, delta = _strided(rows, 96, 2).bfloat16(), (_strided(rows, 96, 3) * 4).bfloat16()
+    norm = RMSNorm(96, 1e-6, torch.bfloat16)  # the torch operations, as transformers runs them
+    norm.weight.data.copy_(weight)
+    _mostly_equal(ops.rms_norm(x, weight, 1e-6), norm(x))  # type: ignore[attr-defined]
+    total, normed = ops.add_rms_norm(x, delta, weight, 1e-6)  # type: ignore[attr-defined]
+    assert torch.equal(total, x + delta)
+    _mostly_equal(normed, norm(x + delta))
+
+    gate_up = (_strided(rows, 2 * 80, 4) * 6).bfloat16()
+    gate, up = gate_up.split(80, dim=-1)
+    _mostly_equal(ops.silu_mul(gate_up), F.silu(gate) * up)  # type: ignore[attr-defined]
+
+    generator = torch.Generator().manual_seed(5)
+    qkv = torch.randn(rows, 10 * 16, generator=generator).bfloat16()
+    q, k = qkv[:, :96].reshape(rows, 6, 16), qkv[:, 96:128].reshape(rows, 2, 16)
+    angles = torch.rand(rows, 8, generator=generator) * 50
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    rotated_q, rotated_k = ops.rope(q, k, cos, sin)  # type: ignore[attr-defined]
+    # Products of two bfloat16 values are exact in float32: the same roundings, bit for bit.
+    assert torch.equal(rotated_q, apply_rope(q, cos, sin))
+    assert torch.equal(rotated_k, apply_rope(k, cos, sin))
+
+
 def test_bad_shapes_are_refused_with_a_message(ops: object) -> None:
     with pytest.raises(RuntimeError, match="even width"):
         ops.silu_mul(torch.zeros(2, 7))  # type: ignore[attr-defined]
@@ -81,6 +119,11 @@ def test_bad_shapes_are_refused_with_a_message(ops: object) -> None:
         ops.rms_norm(torch.zeros(2, 4, dtype=torch.float64), torch.ones(4), 1e-6)  # type: ignore[attr-defined]
     with pytest.raises(RuntimeError, match="width"):
         ops.rms_norm(torch.zeros(2, 4), torch.ones(5), 1e-6)  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match="dtype"):
+        ops.rms_norm(torch.zeros(2, 4), torch.ones(4, dtype=torch.bfloat16), 1e-6)  # type: ignore[attr-defined]
+    q = torch.zeros(1, 2, 4)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        ops.rope(q, q, torch.zeros(1, 2, dtype=torch.bfloat16), torch.zeros(1, 2))  # type: ignore[attr-defined]
 
 
 @pytest.fixture(scope="module")
@@ -90,16 +133,19 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
-def test_the_decoder_gives_the_same_logits_fused_and_unfused(model_dir: Path) -> None:
-    fused = make_executor(model_dir, onednn_min_rows=0)
-    unfused = make_executor(model_dir, onednn_min_rows=0, fused=False)
+@pytest.mark.parametrize(("dtype", "atol"), [("float32", 2e-5), ("bfloat16", 0.1)])
+def test_the_decoder_gives_the_same_logits_fused_and_unfused(
+    model_dir: Path, dtype: str, atol: float
+) -> None:
+    fused = make_executor(model_dir, cpu_linear="plain", dtype=dtype)
+    unfused = make_executor(model_dir, cpu_linear="plain", fused=False, dtype=dtype)
     calls: list[str] = []
     ops = cpu_ops()
     counted = _Counting(ops, calls)
     fused.model.fusion.ops = lambda x: counted  # type: ignore[attr-defined]  # records the calls
     for chunk in (SeqChunk(list(range(3, 11)), 0, [1, 2], "all"), SeqChunk([7], 8, [1, 2, 3])):
         batch = build_model_input([chunk], 4)
-        torch.testing.assert_close(fused.execute(batch), unfused.execute(batch), atol=2e-5, rtol=0)
+        torch.testing.assert_close(fused.execute(batch), unfused.execute(batch), atol=atol, rtol=0)
     assert {"rms_norm", "add_rms_norm", "silu_mul", "rope"} <= set(calls)
 
 

@@ -1,6 +1,7 @@
 """oneDNN GEMMs for a model's linear layers on a CPU (``cpu_gemm.py``): the same outputs as
-``F.linear`` on both paths, the swap keeps the checkpoint's parameters (no copy), and the
-executor swaps by default on a CPU in float32 and not when told not to."""
+``F.linear`` on packed and dense weights, in float32 and (where the CPU runs it) bfloat16; the
+swap keeps the checkpoint's parameters or replaces them by the packed copy; the executor swaps
+by default on a CPU, the tied LM head included, and not when told not to."""
 
 from __future__ import annotations
 
@@ -10,80 +11,124 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from executor_helpers import make_executor
+from executor_helpers import ATOL, make_executor
 from torch import nn
 
 from brigade.model_input import SeqChunk, build_model_input
 from brigade.models.create import create_model
 from brigade.plugins.executors import cpu_gemm
-from brigade.plugins.executors.cpu_gemm import OneDnnLinear, use_onednn_linears
+from brigade.plugins.executors.cpu_gemm import CpuLinear, use_cpu_linears
 
 pytestmark = pytest.mark.skipif(
     not cpu_gemm.onednn_usable(), reason="this torch build has no oneDNN linear op"
 )
+BF16 = pytest.mark.skipif(
+    not cpu_gemm.onednn_usable(torch.bfloat16), reason="oneDNN runs no bfloat16 on this CPU"
+)
 
 
+@pytest.mark.parametrize("packed", [True, False])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("shape", [(1, 24), (3, 24), (7, 24), (2, 5, 24), (40, 24)])
-def test_onednn_linear_equals_f_linear_below_and_above_its_threshold(
-    bias: bool, shape: tuple[int, ...]
-) -> None:
+@pytest.mark.parametrize("shape", [(1, 24), (3, 24), (2, 5, 24), (40, 24), (600, 24)])
+def test_cpu_linear_equals_f_linear(packed: bool, bias: bool, shape: tuple[int, ...]) -> None:
     torch.manual_seed(0)
     linear = nn.Linear(24, 33, bias=bias)
-    packed = OneDnnLinear(linear, min_rows=4)
+    expected_weight = linear.weight.detach().clone()
+    layer = CpuLinear(linear, packed=packed)
     x = torch.randn(*shape)
-    torch.testing.assert_close(packed(x), F.linear(x, linear.weight, linear.bias))
+    expected = F.linear(x, expected_weight, linear.bias)
+    torch.testing.assert_close(layer(x), expected, atol=2e-6, rtol=1e-5)
     # A strided input (a column slice, as after a split) gives the same.
     wide = torch.randn(*shape[:-1], 48)[..., 10:34]
-    torch.testing.assert_close(packed(wide), F.linear(wide, linear.weight, linear.bias))
+    expected = F.linear(wide, expected_weight, linear.bias)
+    torch.testing.assert_close(layer(wide), expected, atol=2e-6, rtol=1e-5)
 
 
-def test_use_onednn_linears_swaps_float32_linears_and_keeps_their_parameters() -> None:
+@BF16
+@pytest.mark.parametrize("packed", [True, False])
+@pytest.mark.parametrize("rows", [1, 32, 300])
+def test_cpu_linear_in_bfloat16_sums_in_float32(packed: bool, rows: int) -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 40, bias=True, dtype=torch.bfloat16)
+    weight, bias = linear.weight.detach().float(), linear.bias.detach().float()
+    layer = CpuLinear(linear, packed=packed)
+    x = torch.randn(rows, 64).bfloat16()
+    out = layer(x)
+    assert out.dtype == torch.bfloat16
+    # float32 sums of the bfloat16 products, one rounding: within a bfloat16 unit
+    expected = F.linear(x.float(), weight, bias)
+    torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=2**-7)
+
+
+def test_packed_mode_replaces_the_weight_and_onednn_mode_keeps_it() -> None:
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Sequential(nn.Linear(16, 4)))
-    model.append(nn.Linear(4, 4, dtype=torch.bfloat16))
     weights = [model[0].weight, model[2][0].weight]
-    assert use_onednn_linears(model, min_rows=2) == 2
-    assert isinstance(model[0], OneDnnLinear)
-    assert isinstance(model[2][0], OneDnnLinear)
-    assert type(model[3]) is nn.Linear, "only float32 layers are swapped"
-    assert model[0].weight is weights[0]
+    assert use_cpu_linears(model, "onednn") == 2
+    assert isinstance(model[0], CpuLinear)
+    assert model[0].weight is weights[0], "onednn mode reads the checkpoint's own tensor"
     assert model[2][0].weight is weights[1]
-    assert set(model.state_dict()) == {
-        "0.weight",
-        "0.bias",
-        "2.0.weight",
-        "2.0.bias",
-        "3.weight",
-        "3.bias",
-    }
+    assert model[0].packed is None
+    assert set(model.state_dict()) == {"0.weight", "0.bias", "2.0.weight", "2.0.bias"}
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Sequential(nn.Linear(16, 4)))
+    assert use_cpu_linears(model, "packed") == 2
+    assert isinstance(model[0], CpuLinear)
+    assert model[0].weight is None, "no dense copy is kept"
+    assert model[0].packed is not None
+    assert set(model.state_dict()) == {"0.bias", "2.0.bias"}
+
+    model = nn.Sequential(nn.Linear(8, 16))
+    assert use_cpu_linears(model, "plain") == 0
+    assert type(model[0]) is nn.Linear
+    with pytest.raises(ValueError, match="allowed"):
+        use_cpu_linears(model, "fast")
 
 
-def test_an_unusable_onednn_leaves_the_model_plain_with_a_warning(
+def test_a_dtype_onednn_cannot_run_stays_plain_with_a_warning(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(cpu_gemm, "onednn_usable", lambda: False)
-    model = nn.Sequential(nn.Linear(8, 8))
+    monkeypatch.setattr(cpu_gemm, "onednn_usable", lambda dtype=torch.float32: False)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8, dtype=torch.float64))
     with caplog.at_level(logging.WARNING, logger=cpu_gemm.__name__):
-        assert use_onednn_linears(model, min_rows=2) == 0
+        assert use_cpu_linears(model, "packed") == 0
     assert type(model[0]) is nn.Linear
-    assert "GEMMs stay plain" in caplog.text
+    assert "float32, float64" in caplog.text
+    assert "stay plain" in caplog.text
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return create_model(
-        tmp_path_factory.mktemp("gemm") / "llama", "llama", overrides={"num_hidden_layers": 2}
-    )
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("gemm")
+    return {
+        tied: create_model(
+            root / tied,
+            "llama",
+            tie_word_embeddings=tied == "tied",
+            overrides={"num_hidden_layers": 2},
+        )
+        for tied in ("tied", "untied")
+    }
 
 
-def test_the_executor_swaps_by_default_and_matches_the_plain_gemm(model_dir: Path) -> None:
-    packed = make_executor(model_dir, onednn_min_rows=2)
-    plain = make_executor(model_dir, onednn_min_rows=0)
-    assert any(isinstance(m, OneDnnLinear) for m in make_executor(model_dir).model.modules())  # type: ignore[attr-defined]
-    assert any(isinstance(m, OneDnnLinear) for m in packed.model.modules())  # type: ignore[attr-defined]
-    assert not any(isinstance(m, OneDnnLinear) for m in plain.model.modules())  # type: ignore[attr-defined]
-    # An 8-token prefill takes the oneDNN path, its 1-token decode the plain one.
+@pytest.mark.parametrize("tied", ["tied", "untied"])
+@pytest.mark.parametrize(
+    ("dtype", "atol"), [("float32", ATOL), pytest.param("bfloat16", 0.15, marks=BF16)]
+)
+def test_the_executor_packs_every_gemm_by_default_and_matches_the_plain_one(
+    model_dirs: dict[str, Path], tied: str, dtype: str, atol: float
+) -> None:
+    packed = make_executor(model_dirs[tied], dtype=dtype)
+    dense = make_executor(model_dirs[tied], cpu_linear="onednn", dtype=dtype)
+    plain = make_executor(model_dirs[tied], cpu_linear="plain", dtype=dtype)
+    layers = [m for m in packed.model.modules() if isinstance(m, CpuLinear)]  # type: ignore[attr-defined]
+    assert len(layers) == 2 * 4 + 1, "four linear layers per decoder layer and the LM head"
+    assert all(layer.packed is not None for layer in layers)
+    assert not any(isinstance(m, CpuLinear) for m in plain.model.modules())  # type: ignore[attr-defined]
+    embedding = packed.model.embed_tokens.weight  # type: ignore[attr-defined]
+    assert embedding.is_contiguous(), "lookups read the dense embedding"
     page = 4
     for chunk in (SeqChunk(list(range(3, 11)), 0, [1, 2], "all"), SeqChunk([7], 8, [1, 2, 3])):
         batch = build_model_input([chunk], page)
-        torch.testing.assert_close(packed.execute(batch), plain.execute(batch), atol=2e-5, rtol=0)
+        expected = plain.execute(batch)
+        torch.testing.assert_close(packed.execute(batch), expected, atol=atol, rtol=0)
+        torch.testing.assert_close(dense.execute(batch), expected, atol=atol, rtol=0)

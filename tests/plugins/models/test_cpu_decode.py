@@ -1,6 +1,7 @@
 """The fused decode step (``decode_layers``: every layer of a pure decode step in one C++ call)
-gives the eager forward's logits bit for bit, on each architecture it covers, with either GEMM
-backend, across steps and shuffled pages; other steps and models keep the eager layers."""
+gives the eager forward's logits bit for bit, on each architecture it covers, with each GEMM
+mode, in float32 and bfloat16, across steps and shuffled pages; other steps and models keep the
+eager layers."""
 
 from __future__ import annotations
 
@@ -71,18 +72,19 @@ def decode_logits(executor: object, steps: int = 4) -> tuple[list[torch.Tensor],
 
 
 @pytest.mark.parametrize("arch", list(MODELS))
-@pytest.mark.parametrize("min_rows", [0, 1, 2])
+@pytest.mark.parametrize("cpu_linear", ["packed", "onednn", "plain"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fused_decode_steps_equal_the_eager_layers(
-    model_dirs: dict[str, Path], arch: str, min_rows: int
+    model_dirs: dict[str, Path], arch: str, cpu_linear: str, dtype: str
 ) -> None:
-    fused = make_executor(model_dirs[arch], onednn_min_rows=min_rows)
-    eager = make_executor(model_dirs[arch], onednn_min_rows=min_rows, fused_decode=False)
+    fused = make_executor(model_dirs[arch], cpu_linear=cpu_linear, dtype=dtype)
+    eager = make_executor(model_dirs[arch], cpu_linear=cpu_linear, fused_decode=False, dtype=dtype)
     ours, fused_calls = decode_logits(fused)
     theirs, eager_calls = decode_logits(eager)
     assert eager_calls == 0
     assert fused_calls == (0 if arch == "qwen3" else len(ours)), "the fused step did not run"
     for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
-        assert torch.equal(a, b), f"{arch}, min_rows={min_rows}, step {step}: logits differ"
+        assert torch.equal(a, b), f"{arch}, {cpu_linear}, {dtype}, step {step}: logits differ"
 
 
 def test_prefills_and_mixed_steps_keep_the_eager_layers(model_dirs: dict[str, Path]) -> None:

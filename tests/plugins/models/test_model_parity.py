@@ -7,6 +7,7 @@ so page boundaries, non-contiguous block tables and chunked prefills are all exe
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from collections.abc import Callable, Sequence
@@ -89,12 +90,12 @@ VARIANTS = {
 
 
 MODES: dict[str, dict[str, Any]] = {
-    "eager": {"native_decode": True, "onednn_min_rows": 1, "fused": True},
-    "gather": {"native_decode": False, "onednn_min_rows": 0, "fused": False},
+    "eager": {"native_decode": True, "cpu_linear": "packed", "fused": True},
+    "gather": {"native_decode": False, "cpu_linear": "plain", "fused": False},
 }
-"""How the CPU forward runs: the default fast path (decode attention in the C++ kernel that
-reads pages in place, linear layers through oneDNN's matmul, norms/SiLU-mul/RoPE in the fused
-C++ kernels), or the reference path (pages gathered for SDPA, F.linear, torch's operations).
+"""How the CPU forward runs: the default fast path (decode attention in the C++ kernel that reads
+pages in place, linear layers through oneDNN's matmul on packed weights, norms/SiLU-mul/RoPE in the
+fused C++ kernels), or the reference path (pages gathered for SDPA, F.linear, torch's operations).
 The compiled forward is checked against the eager one in test_compiled.py."""
 
 
@@ -386,3 +387,42 @@ def test_build_model_input_layout() -> None:
 def test_build_model_input_refuses(chunks: list[SeqChunk], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         build_model_input(chunks, page_size=4)
+
+
+@pytest.mark.parametrize("name", ["llama", "llama-gqa4-bias", "mistral-window8", "qwen2", "qwen3"])
+def test_bfloat16_on_a_cpu_is_as_close_to_fp32_as_transformers_in_bfloat16(
+    checkpoints: Callable[[str], tuple[Any, Path]], name: str
+) -> None:
+    """bf16 is compared by tolerance only: Brigade's CPU fast path in bf16 (packed oneDNN
+    GEMMs, fused kernels, the fused decode step) must stray from the fp32 logits no further
+    than transformers' own model does in bf16, over a ragged prefill and decode steps."""
+    hf_model, directory = checkpoints(name)
+    executor = make_executor(directory, dtype="bfloat16")
+    hf_bf16 = copy.deepcopy(hf_model).to(torch.bfloat16)
+    prompt_lens, num_steps = [5, 11, 17], 5
+    sequences = token_sequences([n + num_steps for n in prompt_lens], seed=9)
+    pages = ShuffledPages(seed=11)
+    tables = [pages.take(len(s)) for s in sequences]
+    chunks = [SeqChunk(s[:n], 0, t) for s, n, t in zip(sequences, prompt_lens, tables, strict=True)]
+    outputs = [executor.execute(build_model_input(chunks, PAGE_SIZE))]
+    for step in range(num_steps):
+        chunks = [
+            SeqChunk([s[n + step]], n + step, t)
+            for s, n, t in zip(sequences, prompt_lens, tables, strict=True)
+        ]
+        outputs.append(executor.execute(build_model_input(chunks, PAGE_SIZE)))
+    actual = torch.stack(outputs, dim=1)  # [num_seqs, num_steps + 1, vocab]
+    exact, theirs = (
+        torch.stack(
+            [
+                reference_logits(model, s)[n - 1 :]
+                for s, n in zip(sequences, prompt_lens, strict=True)
+            ]
+        )
+        for model in (hf_model, hf_bf16)
+    )
+    our_error = (actual - exact).abs().max().item()
+    their_error = (theirs - exact).abs().max().item()
+    assert 0 < our_error <= 1.5 * their_error + 0.02, (
+        f"bf16 logits stray {our_error:.3f} from fp32, transformers' bf16 {their_error:.3f}"
+    )
