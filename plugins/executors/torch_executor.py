@@ -26,6 +26,7 @@ from brigade.interfaces import (
 from brigade.interfaces.executor import DTYPE_NAMES
 from brigade.model_input import SeqChunk, build_model_input
 from brigade.plugins.executors.cpu_gemm import CPU_LINEAR_MODES, use_cpu_linears
+from brigade.plugins.executors.cpu_memory import advise_huge_pages, keep_freed_memory
 from brigade.plugins.models.decoder import CpuFusion
 
 if TYPE_CHECKING:
@@ -72,6 +73,13 @@ class TorchExecutorOptions:
         "loaded, 'plain' = F.linear (docs/benchmarks.md has the measurements behind the "
         "default). Not used with compile",
         choices=CPU_LINEAR_MODES,
+    )
+    reuse_freed_memory: bool = option(
+        True,
+        help="on a CPU with glibc, keep large freed buffers (a step's activations) in the "
+        "process heap for the next step instead of returning them to the OS, which would fault "
+        "them in again page by page every step; the KV pool asks for transparent huge pages "
+        "too (docs/benchmarks.md)",
     )
     fused_ops: bool = option(
         True,
@@ -128,6 +136,9 @@ class TorchExecutor(Executor):
     def __init__(self, params: ExecutorParams, options: TorchExecutorOptions) -> None:
         self.params = params
         self._device = resolve_device(options.device)
+        self.reuse_freed_memory = options.reuse_freed_memory and self._device.type == "cpu"
+        if self.reuse_freed_memory:
+            keep_freed_memory()
         if options.num_threads:
             torch.set_num_threads(options.num_threads)  # process-wide, as torch allows
         self.attention = params.attention
@@ -220,6 +231,10 @@ class TorchExecutor(Executor):
                     allocate(shape, dtype=self.kv_cache_dtype, device=self.device),
                 )
             )
+        if self.reuse_freed_memory:
+            for caches in self.kv_caches:
+                for cache in caches:
+                    advise_huge_pages(cache)
         self._unzeroed = torch.ones(num_pages, dtype=torch.bool) if lazy else None
         self.num_pages = num_pages
         if self.device.type == "cpu":
