@@ -4,13 +4,17 @@ Engines (``--engines``, all by default), each a subprocess running a driver from
 ``benchmarks/peer_drivers/`` in its own venv, one at a time:
 
 - ``brigade``: ``brigade.LLM`` in the repository's .venv (``--set station.key=value`` passes
-  through), fp32;
+  through);
 - ``transformers``: ``generate`` on static, left-padded batches of ``--hf-batch-size`` (.venv);
 - ``vllm``: vLLM-CPU's offline ``LLM`` (``PEERS_DIR/vllm-venv``), its compile cache kept in
   ``--vllm-cache`` (with ``VLLM_USE_AOT_COMPILE=0`` unless set: 0.32's AOT artifacts do not
   load on CPU, so without it every start compiles again);
 - ``llamacpp``: llama.cpp through llama-cpp-python's low-level API, batched across requests
-  (``PEERS_DIR/llamacpp-venv``, once its ``.done`` exists), on an F32 GGUF of the weights.
+  (``PEERS_DIR/llamacpp-venv``, once its ``.done`` exists), on an F32 (or BF16) GGUF of the
+  weights.
+
+Every engine runs in ``--dtype`` (float32 by default; bfloat16 for CPUs with AVX512-BF16 or
+AMX): weights, activations and KV cache.
 
 A peer whose venv is missing is skipped with a line saying so; one that crashes or runs past
 ``--timeout`` is reported with its log's tail, and the others still run.
@@ -18,8 +22,8 @@ A peer whose venv is missing is skipped with a line saying so; one that crashes 
 The checkpoint (``--model``) is built once under ``$BRIGADE_CACHE_DIR/peers`` (default
 ``~/.cache/brigade/peers``): ``smollm2`` is SmolLM2-135M-Instruct, which Brigade loads from its
 Q4_1 GGUF dequantized to fp32; transformers and vLLM read the Hugging Face folder transformers
-dequantizes from the same GGUF, llama.cpp an F32 GGUF written from that folder. ``small`` and
-``tiny`` are Brigade's random Llamas (``brigade model create``), the same way.
+dequantizes from the same GGUF, llama.cpp an F32 or BF16 GGUF written from that folder.
+``small`` and ``tiny`` are Brigade's random Llamas (``brigade model create``), the same way.
 
 Workloads (``--workloads``), greedy, EOS ignored, seeded random token ids, 2 threads everywhere:
 
@@ -37,8 +41,10 @@ tokens (same lengths), so no run hits a cache left by another except the shared 
 (for trying the script out). Each engine's first timed run returns ``--check`` streams per
 workload; they are compared with Brigade's, tie-aware: at a stream's first divergence the
 transformers model (fp32, teacher-forced on the shared prefix) scores both tokens, and logits
-within ``--atol`` make it a tie. Brigade's own streams are checked teacher-forced against the
-same model. A real divergence is printed loudly; it does not stop the run.
+within ``--atol`` make it a tie (in bfloat16 a wider one: two correct bfloat16 engines part
+wherever rounding moves a logit by more than the gap between the top two). Brigade's own streams
+are checked teacher-forced against the same model. A real divergence is printed loudly; it does not
+stop the run.
 
     .venv/bin/python benchmarks/peers.py
     .venv/bin/python benchmarks/peers.py --model small --engines brigade,vllm --json /tmp/peers.json
@@ -78,11 +84,14 @@ NOISY_SHARE = 0.05
 # --- checkpoints -----------------------------------------------------------------------------
 
 
+GGUF_TYPES = {"float32": "F32", "bfloat16": "BF16"}
+"""``--dtype`` -> the GGUF tensor type llama.cpp reads."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Checkpoint:
     name: str
     hf_dir: Path
-    gguf: Path
     brigade_path: str
     """What Brigade's ``model.path`` gets: ``default`` (the GGUF) or the HF folder."""
     config: dict[str, Any]
@@ -95,10 +104,22 @@ class Checkpoint:
             f"vocab {c['vocab_size']}"
         )
 
-    def as_job(self) -> dict[str, Any]:
+    def gguf(self, dtype: str) -> Path:
+        """The GGUF of the weights in ``dtype`` (written from the HF folder on first use)."""
+        tensor_type = GGUF_TYPES[dtype]
+        path = self.hf_dir.parent / f"{self.name}-{tensor_type.lower()}.gguf"
+        if not path.exists():
+            from brigade.testing.gguf_export import write_gguf
+
+            partial = path.with_name(path.name + ".partial")
+            write_gguf(self.hf_dir, partial, tensor_type=tensor_type)
+            partial.rename(path)
+        return path
+
+    def as_job(self, dtype: str) -> dict[str, Any]:
         return {
             "hf_dir": str(self.hf_dir),
-            "gguf": str(self.gguf),
+            "gguf": str(self.gguf(dtype)),
             "brigade_path": self.brigade_path,
             "vocab_size": self.config["vocab_size"],
         }
@@ -120,14 +141,11 @@ def prepare_checkpoint(name: str) -> Checkpoint:
         partial = root.with_name(root.name + ".partial")
         shutil.rmtree(partial, ignore_errors=True)
         _write_hf_folder(name, partial / "hf")
-        from brigade.testing.gguf_export import write_gguf
-
-        write_gguf(partial / "hf", partial / f"{name}-f32.gguf", tensor_type="F32")
         (partial / ".complete").touch()
         partial.rename(root)
     config = json.loads((root / "hf" / "config.json").read_text())
     brigade_path = "default" if name == "smollm2" else str(root / "hf")
-    return Checkpoint(name, root / "hf", root / f"{name}-f32.gguf", brigade_path, config)
+    return Checkpoint(name, root / "hf", brigade_path, config)
 
 
 def _write_hf_folder(name: str, out: Path) -> None:
@@ -295,7 +313,7 @@ def find_engines(args: argparse.Namespace) -> dict[str, Engine]:
         ),
         "llamacpp": Engine(
             "llamacpp",
-            f"llama.cpp F32 GGUF, {args.llamacpp_parallel} parallel",
+            f"llama.cpp {GGUF_TYPES[args.dtype]} GGUF, {args.llamacpp_parallel} parallel",
             llama_python,
             "llamacpp_driver.py",
             {},
@@ -581,8 +599,9 @@ def run_engines(
                     continue
                 job = {
                     "engine": name,
-                    "model": checkpoint.as_job(),
+                    "model": checkpoint.as_job(args.dtype),
                     "threads": args.threads,
+                    "dtype": args.dtype,
                     "prefix_caching": prefix_caching,
                     "options": engine_options(name, args),
                     "workloads": [workloads[w] for w in chosen],
@@ -683,7 +702,7 @@ def report(
     print("# Brigade vs peers")
     print()
     print(f"- CPU: {cpu_summary()}")
-    print(f"- threads: {args.threads} per engine; fp32 weights, activations and KV; greedy")
+    print(f"- threads: {args.threads} per engine; {args.dtype} weights, activations and KV; greedy")
     print(f"- model: {checkpoint.describe()}")
     print(f"- Brigade {git_revision()}" + (f", --set {' '.join(args.set)}" if args.set else ""))
     print("- versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
@@ -742,7 +761,19 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--check", type=int, default=8, help="streams checked per workload")
-    parser.add_argument("--atol", type=float, default=1e-3, help="logit gap of a tie")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=tuple(GGUF_TYPES),
+        help="every engine's weights, activations and KV cache (llama.cpp: a GGUF of it)",
+    )
+    parser.add_argument(
+        "--atol",
+        type=float,
+        default=None,
+        help="logit gap of a tie (default 1e-3 in float32, 0.25 in bfloat16, whose logits "
+        "carry ~3 significant digits)",
+    )
     parser.add_argument(
         "--set", action="append", default=[], help="Brigade config override (repeatable)"
     )
@@ -761,6 +792,8 @@ def parse_args() -> argparse.Namespace:
     for name in args.workload_list:
         if name not in WORKLOADS:
             parser.error(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+    if args.atol is None:
+        args.atol = 1e-3 if args.dtype == "float32" else 0.25
     if args.threads < 1 or args.scale <= 0 or (args.repeats is not None and args.repeats < 1):
         parser.error("--threads and --repeats must be >= 1 and --scale > 0")
     if not 1 <= args.llamacpp_parallel <= 255 or args.hf_batch_size < 1:
@@ -845,6 +878,7 @@ def as_json(
         "model": checkpoint.describe(),
         "scale": args.scale,
         "threads": args.threads,
+        "dtype": args.dtype,
         "brigade_settings": args.set,
         "versions": versions,
         "engine_facts": found.facts,

@@ -1,7 +1,8 @@
 """Brigade's driver (runs in the repository's .venv): ``LLM.generate`` on token-id prompts.
 
-fp32, greedy, EOS ignored; prefix caching as the job says; ``options["settings"]`` are
-``station.key=value`` overrides passed through from ``peers.py --set``.
+The job's dtype (KV cache included), greedy, EOS ignored; prefix caching as the job says;
+``options["settings"]`` are ``station.key=value`` overrides passed through from ``peers.py
+--set``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ def load(job: Job) -> tuple[Generate, dict[str, Any]]:
     torch.set_num_threads(job.threads)
     overrides = [
         f"model.path={job.model['brigade_path']}",
-        "model.dtype=float32",
+        f"model.dtype={job.dtype}",
         f"kv.enable_prefix_caching={'true' if job.prefix_caching else 'false'}",
         *job.options.get("settings", []),
     ]

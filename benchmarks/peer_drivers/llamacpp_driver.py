@@ -12,7 +12,8 @@ Policy (continuous batching, no chunked prefill):
   prefilled by its own ``llama_decode`` (split into ``n_ubatch`` pieces by llama.cpp), which
   yields its first token. The step then decodes one token for every active sequence. A
   finished sequence's KV is removed and its sequence id reused at the next step.
-- KV cache in F32 (llama.cpp defaults to F16; the other engines keep fp32 KV), one KV stream
+- KV cache in the job's dtype, F32 or BF16 (llama.cpp defaults to F16; the other engines keep
+  their KV in the model's dtype), on the GGUF of that dtype; one KV stream
   per sequence (``kv_unified = false``: attention reads only the sequence's own cells), sized
   for the job's longest prompt + output. Flash attention: llama.cpp's ``auto``.
 - Prefix caching (jobs with it on, batches with a ``shared_prefix_len``): the shared prefix is
@@ -33,6 +34,9 @@ import llama_cpp as llama
 import numpy as np
 from peer_protocol import Batch, Generate, Job, run_job
 
+GGML_TYPE_BF16 = 30
+"""ggml's type id of bfloat16 (llama-cpp-python names F32 and F16 but not it)."""
+KV_TYPES = {"float32": (llama.GGML_TYPE_F32, "F32"), "bfloat16": (GGML_TYPE_BF16, "BF16")}
 CTX_ALIGN = 256
 """Per-sequence KV sizes are rounded up to this (llama.cpp pads its KV to 256 cells)."""
 
@@ -77,8 +81,9 @@ class Runner:
         params.n_seq_max = n_seq_max
         params.n_threads = job.threads
         params.n_threads_batch = job.threads
-        params.type_k = llama.GGML_TYPE_F32
-        params.type_v = llama.GGML_TYPE_F32
+        kv_type, kv_name = KV_TYPES[job.dtype]
+        params.type_k = kv_type
+        params.type_v = kv_type
         params.kv_unified = bool(job.options.get("kv_unified", False))
         params.no_perf = True
         self.ctx = llama.llama_init_from_model(self.model, params)
@@ -99,7 +104,7 @@ class Runner:
             "n_ubatch": params.n_ubatch,
             "n_ctx_seq": self.n_ctx_seq,
             "kv_unified": bool(params.kv_unified),
-            "kv_type": "F32",
+            "kv_type": kv_name,
             "prefix_reuse": "llama_memory_seq_cp" if self.prefix_reuse else "none",
             "system_info": llama.llama_print_system_info().decode(errors="replace").strip(),
         }

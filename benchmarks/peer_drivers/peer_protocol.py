@@ -1,9 +1,9 @@
 """What ``benchmarks/peers.py`` and its engine drivers exchange; standard library only.
 
-Every driver runs in its engine's own venv as ``python DRIVER JOB.json RESULT.json``. The job
-names the checkpoint, the thread count, whether prefix caching is on, the engine's options and
-the workloads; the driver times each workload and rewrites the result file after each one, so
-a driver that crashes or is killed still leaves the workloads it finished.
+Every driver runs in its engine's own venv as ``python DRIVER JOB.json RESULT.json``. The job names
+the checkpoint, the thread count, the dtype, whether prefix caching is on, the engine's options and
+the workloads; the driver times each workload and rewrites the result file after each one, so a
+driver that crashes or is killed still leaves the workloads it finished.
 
 A workload is a warm-up batch and timed runs (fresh prompts each, same shapes). A run of kind
 ``throughput`` is one call on the whole batch; a run of kind ``latency`` is two calls on the
@@ -60,6 +60,8 @@ class Job:
     """``hf_dir``, ``gguf`` (F32), ``brigade_path`` and ``vocab_size``."""
     threads: int
     prefix_caching: bool
+    dtype: str
+    """``float32`` or ``bfloat16``: weights, activations and KV cache."""
     options: dict[str, Any]
     workloads: list[Workload]
 
@@ -95,6 +97,7 @@ def load_job(path: str) -> Job:
         model=data["model"],
         threads=int(data["threads"]),
         prefix_caching=bool(data["prefix_caching"]),
+        dtype=str(data.get("dtype", "float32")),
         options=dict(data.get("options", {})),
         workloads=workloads,
     )

@@ -19,7 +19,7 @@ def load(job: Job) -> tuple[Generate, dict[str, Any]]:
 
     torch.set_num_threads(job.threads)
     model: Any = transformers.AutoModelForCausalLM.from_pretrained(
-        job.model["hf_dir"], dtype=torch.float32
+        job.model["hf_dir"], dtype=getattr(torch, job.dtype)
     ).eval()
     pad = model.generation_config.pad_token_id or 0
     batch_size = int(job.options.get("batch_size", 32))

@@ -1,8 +1,8 @@
 """vLLM-CPU's driver (runs in vLLM's venv): the offline ``vllm.LLM`` API on token-id prompts.
 
-fp32, greedy, EOS ignored, the engine's own defaults otherwise (on CPU: up to 256 sequences
-and 4096 tokens a step, chunked prefill). Threads, KV space and the compile cache come from the
-environment ``peers.py`` sets (``VLLM_CPU_OMP_THREADS_BIND``, ``VLLM_CPU_KVCACHE_SPACE``,
+The job's dtype, greedy, EOS ignored, the engine's own defaults otherwise (on CPU: up to 256
+sequences and 4096 tokens a step, chunked prefill). Threads, KV space and the compile cache come
+from the environment ``peers.py`` sets (``VLLM_CPU_OMP_THREADS_BIND``, ``VLLM_CPU_KVCACHE_SPACE``,
 ``VLLM_CACHE_ROOT``). vLLM compiles its model at start and warms up on its first batch; the
 protocol's warm-up call is that first batch, so every timed call is a later one.
 """
@@ -22,7 +22,7 @@ def load(job: Job) -> tuple[Generate, dict[str, Any]]:
 
     llm = LLM(
         model=job.model["hf_dir"],
-        dtype="float32",
+        dtype=job.dtype,
         enable_prefix_caching=job.prefix_caching,
         generation_config="vllm",  # no sampling defaults from the model
         seed=0,
