@@ -26,7 +26,7 @@ from brigade.interfaces import (
 from brigade.interfaces.executor import DTYPE_NAMES
 from brigade.model_input import SeqChunk, build_model_input
 from brigade.plugins.executors.cpu_gemm import CPU_LINEAR_MODES, use_cpu_linears
-from brigade.plugins.executors.cpu_memory import advise_huge_pages, keep_freed_memory
+from brigade.plugins.executors.cpu_memory import keep_freed_memory
 from brigade.plugins.models.decoder import CpuFusion
 
 if TYPE_CHECKING:
@@ -78,8 +78,7 @@ class TorchExecutorOptions:
         True,
         help="on a CPU with glibc, keep large freed buffers (a step's activations) in the "
         "process heap for the next step instead of returning them to the OS, which would fault "
-        "them in again page by page every step; the KV pool asks for transparent huge pages "
-        "too (docs/benchmarks.md)",
+        "them in again page by page every step (docs/benchmarks.md)",
     )
     fused_ops: bool = option(
         True,
@@ -136,8 +135,7 @@ class TorchExecutor(Executor):
     def __init__(self, params: ExecutorParams, options: TorchExecutorOptions) -> None:
         self.params = params
         self._device = resolve_device(options.device)
-        self.reuse_freed_memory = options.reuse_freed_memory and self._device.type == "cpu"
-        if self.reuse_freed_memory:
+        if options.reuse_freed_memory and self._device.type == "cpu":
             keep_freed_memory()
         if options.num_threads:
             torch.set_num_threads(options.num_threads)  # process-wide, as torch allows
@@ -231,10 +229,6 @@ class TorchExecutor(Executor):
                     allocate(shape, dtype=self.kv_cache_dtype, device=self.device),
                 )
             )
-        if self.reuse_freed_memory:
-            for caches in self.kv_caches:
-                for cache in caches:
-                    advise_huge_pages(cache)
         self._unzeroed = torch.ones(num_pages, dtype=torch.bool) if lazy else None
         self.num_pages = num_pages
         if self.device.type == "cpu":

@@ -1,16 +1,15 @@
 """The CPU executor's allocation settings (``cpu_memory.py``): large freed buffers are reused
-without faulting their pages in again, and the KV pool asks for transparent huge pages."""
+without faulting their pages in again."""
 
 from __future__ import annotations
 
 import platform
 import resource
-from pathlib import Path
 
 import pytest
 import torch
 
-from brigade.plugins.executors.cpu_memory import advise_huge_pages, keep_freed_memory
+from brigade.plugins.executors.cpu_memory import keep_freed_memory
 
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
@@ -30,15 +29,3 @@ def test_a_large_buffer_freed_and_allocated_again_is_not_faulted_in_again() -> N
     pages = size // 4096
     faults = min(_faults_of_a_fresh_buffer(size) for _ in range(3))
     assert faults < pages // 10, f"{faults} page faults for a reused {size >> 20} MB buffer"
-
-
-def _thp_mode() -> str:
-    path = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    text = path.read_text() if path.exists() else ""
-    return text.split("[", 1)[1].split("]", 1)[0] if "[" in text else "never"
-
-
-@pytest.mark.skipif(not GLIBC or _thp_mode() == "never", reason="needs transparent huge pages")
-def test_the_kv_pool_can_ask_for_huge_pages() -> None:
-    assert advise_huge_pages(torch.empty(8 << 20))  # 32 MB: whole 2 MB pages inside
-    assert not advise_huge_pages(torch.empty(16)), "no whole 2 MB page inside: nothing to ask"
