@@ -26,6 +26,7 @@ def make_executor(
     *,
     compiled: bool = False,
     native_decode: bool = True,
+    native_prefill: bool | None = None,
     cpu_linear: str = TorchExecutorOptions.cpu_linear,
     fused: bool = True,
     fused_decode: bool = True,
@@ -34,7 +35,12 @@ def make_executor(
     params = ExecutorParams(
         model_path=str(directory),
         dtype=dtype,
-        attention=SdpaBackend(SdpaOptions(native_decode=native_decode)),
+        attention=SdpaBackend(
+            SdpaOptions(
+                native_decode=native_decode,
+                native_prefill=native_decode if native_prefill is None else native_prefill,
+            )
+        ),
         page_size=PAGE_SIZE,
         kv_cache_dtype="auto",
         max_model_len=0,

@@ -31,8 +31,12 @@ __all__ = ["cpu_ops", "exclusive_build", "paged_decode_kernel"]
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_paged.cpp", "cpu_fused.cpp"))
-_HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_exp.h", "cpu_scalar.h"))
+_SOURCES = tuple(
+    Path(__file__).with_name(name) for name in ("cpu_paged.cpp", "cpu_prefill.cpp", "cpu_fused.cpp")
+)
+_HEADERS = tuple(
+    Path(__file__).with_name(name) for name in ("cpu_exp.h", "cpu_scalar.h", "cpu_vec.h")
+)
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math", "-fno-math-errno"]
 """As torch's own build: without the last two, GCC keeps the float clamps and exp of the
 kernels' loops scalar."""

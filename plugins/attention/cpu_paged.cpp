@@ -19,6 +19,7 @@
 
 #include "cpu_exp.h"
 #include "cpu_scalar.h"
+#include "cpu_vec.h"
 
 #include <algorithm>
 #include <cmath>
@@ -78,44 +79,11 @@ inline void add_value(const float* weights, const Cache* value, float* accumulat
 // vector extensions, so AVX/AVX-512/NEON as the CPU has) take vector loops that walk each row
 // page by page (the page and slot arithmetic once per page, not per key), load each key and
 // value once for all query heads of its KV head, and widen bfloat16 as it is loaded.
-#if defined(__AVX512F__)
-constexpr int kLanes = 16;
-#else
-constexpr int kLanes = 8;
-#endif
-constexpr int kMaxChunks = 8;  // head_dim up to 8 vectors (128 with AVX-512, 64 without)
-typedef float vecf __attribute__((vector_size(4 * kLanes)));
-typedef uint16_t vech __attribute__((vector_size(2 * kLanes)));
-typedef uint32_t vecw __attribute__((vector_size(4 * kLanes)));
-typedef float vec8 __attribute__((vector_size(32)));
-typedef float vec4 __attribute__((vector_size(16)));
-
-inline vecf load_vec(const float* p) {
-  vecf v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline vecf load_vec(const c10::BFloat16* p) {
-  vech half;
-  std::memcpy(&half, p, sizeof(half));
-  const vecw wide = __builtin_convertvector(half, vecw) << 16;  // bfloat16 -> float32 bits
-  vecf v;
-  std::memcpy(&v, &wide, sizeof(v));
-  return v;
-}
-
-inline float sum_lanes(vecf v) {
-#if defined(__AVX512F__)
-  const vec8 half = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                    __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-#else
-  const vec8 half = v;
-#endif
-  const vec4 quarter =
-      __builtin_shufflevector(half, half, 0, 1, 2, 3) + __builtin_shufflevector(half, half, 4, 5, 6, 7);
-  return (quarter[0] + quarter[2]) + (quarter[1] + quarter[3]);
-}
+using brigade_cpu::kLanes;
+using brigade_cpu::kMaxChunks;
+using brigade_cpu::load_vec;
+using brigade_cpu::sum_lanes;
+using brigade_cpu::vecf;
 
 // Calls visit(offset, next, t0, n) once per page of positions [first, length) of a row whose
 // pages are `pages`: the page's keys t0 .. t0 + n - 1 start at element `offset` of the cache,

@@ -6,8 +6,10 @@ run one call each, with SDPA's grouped-query support.
 
 On a CPU, decode rows instead go through Brigade's C++ kernel (``native_decode``, the
 default): it reads each row's pages in place up to that row's own length, where the gather
-copies every row's pages up to the longest row's. Its build is cached; where it cannot be
-built, decode takes the gather path above.
+copies every row's pages up to the longest row's. Prefill chunks likewise go through its
+prefill kernel (``native_prefill``): every chunk of the step in one call, causal over the pages
+in place, no gathered keys and no mask tensors. Their build is cached; where it cannot be built
+(or the head size does not fit its vectors), attention takes the SDPA paths above.
 """
 
 from __future__ import annotations
@@ -67,6 +69,9 @@ class SdpaMetadata:
     max_decode_len: int
     prefill_rows: list[tuple[int, int, int, int]]
     """(row, query_start, query_end, seq_len) host integers of every prefill chunk."""
+    prefill_chunks: torch.Tensor | None = None
+    """``prefill_rows`` as an int64 tensor [chunks, 4] (for the CPU prefill kernel), or None
+    when the step has no prefill chunk."""
     _decode_views: dict[int | None, _DecodeView] = dataclasses.field(default_factory=dict)
     _prefill_views: dict[int | None, list[_PrefillRow]] = dataclasses.field(default_factory=dict)
 
@@ -149,6 +154,12 @@ class SdpaOptions:
         help="on a CPU, decode rows read the paged KV in place with Brigade's C++ kernel "
         "(built once and cached) instead of gathering pages for SDPA",
     )
+    native_prefill: bool = option(
+        True,
+        help="on a CPU, prefill chunks attend causally over the paged KV in place with "
+        "Brigade's C++ kernel instead of SDPA on gathered keys and masks (float32 or "
+        "bfloat16, head sizes a multiple of the CPU's vector width)",
+    )
 
 
 class SdpaBackend(AttentionBackend):
@@ -161,6 +172,7 @@ class SdpaBackend(AttentionBackend):
         self.options = options if options is not None else SdpaOptions()
         # NoOptions (tests, other backends' fallbacks) means the defaults.
         self._native = not isinstance(options, SdpaOptions) or options.native_decode
+        self._native_prefill = not isinstance(options, SdpaOptions) or options.native_prefill
         self._kernel: Any = None
         """The C++ decode kernel once resolved (False: unavailable here)."""
 
@@ -172,6 +184,24 @@ class SdpaBackend(AttentionBackend):
 
             self._kernel = paged_decode_kernel() or False
         return self._kernel or None
+
+    def _prefill_kernel(
+        self, query: torch.Tensor, key_cache: torch.Tensor, layer: AttentionLayer
+    ) -> Any:
+        """The C++ prefill kernel when it takes this layer's tensors here, else None."""
+        if query.device.type != "cpu" or not self._native_prefill:
+            return None
+        if {query.dtype, key_cache.dtype} - {torch.float32, torch.bfloat16}:
+            return None
+        from brigade.plugins.attention.cpu_kernels import cpu_ops
+
+        ops = cpu_ops()
+        if ops is None:
+            return None
+        lanes = int(ops.vector_lanes())
+        if layer.head_dim % lanes or layer.head_dim > 8 * lanes:
+            return None
+        return ops.paged_prefill
 
     def build_metadata(self, batch: ModelInput) -> SdpaMetadata:
         """Host maxima and per-chunk bounds from the ``*_cpu`` copies; no device sync."""
@@ -190,6 +220,7 @@ class SdpaBackend(AttentionBackend):
             block_tables=batch.block_tables.long(),
             max_decode_len=max(seq_lens_cpu[:num_decodes], default=0),
             prefill_rows=prefill_rows,
+            prefill_chunks=torch.tensor(prefill_rows, dtype=torch.int64) if prefill_rows else None,
         )
 
     def forward(
@@ -229,6 +260,20 @@ class SdpaBackend(AttentionBackend):
             output[: meta.num_decodes] = _decode(
                 layer, query[: meta.num_decodes], kv_cache[0], kv_cache[1], view
             )
+        prefill = self._prefill_kernel(query, kv_cache[0], layer) if meta.prefill_rows else None
+        if prefill is not None:
+            assert meta.prefill_chunks is not None  # built with prefill_rows
+            start = meta.prefill_rows[0][1]
+            output[start:] = prefill(
+                query.contiguous(),  # [T, heads, head_dim]: the chunks' tokens are read
+                kv_cache[0],
+                kv_cache[1],
+                meta.block_tables,
+                meta.prefill_chunks,
+                layer.sliding_window or 0,
+                layer.scale,
+            )  # [tokens of the chunks, heads, head_dim]
+            return output
         # A whole prompt in one chunk sees exactly its own new keys: attend to them as computed
         # instead of reading them back from the pages (same values when the cache has the
         # activations' dtype).

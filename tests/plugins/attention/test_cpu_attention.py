@@ -159,3 +159,103 @@ def test_a_build_killed_midway_does_not_hang_the_next_one(tmp_path: Path) -> Non
         assert not done.is_set(), "a second build did not wait for the first"
     worker.join(timeout=10)
     assert done.is_set()
+
+
+def _prefill_reference(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    chunks: torch.Tensor,
+    window: int,
+    scale: float,
+) -> torch.Tensor:
+    """Each chunk's tokens attend causally (and within the window) to their row's keys."""
+    page_size = key_cache.shape[1]
+    group = query.shape[1] // key_cache.shape[2]
+    outputs = []
+    for row, first, end, seq_len in chunks.tolist():
+        positions = torch.arange(seq_len)
+        pages = block_tables[row, positions // page_size]
+        keys = key_cache[pages, positions % page_size].float().repeat_interleave(group, dim=1)
+        values = value_cache[pages, positions % page_size].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("thd,khd->htk", query[first:end].float(), keys) * scale
+        query_positions = torch.arange(seq_len - (end - first), seq_len)[:, None]
+        visible = positions[None, :] <= query_positions
+        if window:
+            visible &= positions[None, :] > query_positions - window
+        weights = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+        outputs.append(torch.einsum("htk,khd->thd", weights, values))
+    return torch.cat(outputs)
+
+
+@pytest.fixture(scope="module")
+def ops() -> object:
+    built = cpu_kernels.cpu_ops()
+    assert built is not None, "the CPU kernels failed to build (see the log)"
+    return built
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "page_size", "window", "dtype"),
+    [
+        (9, 3, 64, 16, 0, torch.float32),  # SmolLM2's shape
+        (9, 3, 64, 16, 20, torch.float32),  # a sliding window shorter than most chunks
+        (9, 3, 64, 16, 0, torch.bfloat16),
+        (8, 2, 128, 4, 0, torch.float32),  # eight vectors per head, small pages
+        (4, 4, 32, 1, 7, torch.bfloat16),  # no grouping, one token per page
+        (8, 1, 16, 16, 0, torch.float32),  # all heads on one KV head
+    ],
+)
+def test_paged_prefill_equals_causal_softmax_over_each_rows_keys(
+    ops: object,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    window: int,
+    dtype: torch.dtype,
+) -> None:
+    if head_dim % ops.vector_lanes():  # type: ignore[attr-defined]
+        pytest.skip(f"head_dim {head_dim} does not fill this CPU's vectors")
+    # (row length after the step, its new tokens): a whole prompt, chunks after cached
+    # prefixes (short, across pages, longer than a key block), one token, a long prompt.
+    rows = [(5, 5), (40, 7), (300, 33), (130, 130), (34, 1), (600, 600)]
+    generator = torch.Generator().manual_seed(heads + head_dim)
+    max_pages = max(-(-n // page_size) for n, _ in rows) + 1
+    num_pages = len(rows) * max_pages + 2
+    key_cache = torch.randn(num_pages, page_size, kv_heads, head_dim, generator=generator)
+    value_cache = torch.randn(num_pages, page_size, kv_heads, head_dim, generator=generator)
+    key_cache, value_cache = key_cache.to(dtype), value_cache.to(dtype)
+    order = torch.randperm(num_pages, generator=generator)
+    block_tables = order[: len(rows) * max_pages].view(len(rows), max_pages).clone()
+    offset = 3  # three decode tokens before the chunks, which the kernel must not read
+    spans, token = [], offset
+    for row, (length, new) in enumerate(rows):
+        spans.append([row, token, token + new, length])
+        token += new
+    chunks = torch.tensor(spans)
+    query = torch.randn(token, heads, head_dim, generator=generator).to(dtype)
+    scale = head_dim**-0.5
+    out = ops.paged_prefill(query, key_cache, value_cache, block_tables, chunks, window, scale)  # type: ignore[attr-defined]
+    assert out.shape == (token - offset, heads, head_dim)
+    assert out.dtype == dtype
+    expected = _prefill_reference(
+        query, key_cache, value_cache, block_tables, chunks, window, scale
+    )
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
+    else:  # float32 arithmetic, one rounding of the result
+        torch.testing.assert_close(out.float(), expected, atol=1e-5, rtol=2**-8)
+
+
+def test_paged_prefill_refuses_chunks_that_do_not_fit(ops: object) -> None:
+    query, keys, values, tables, _ = _paged_case(
+        [5, 9], heads=2, kv_heads=1, head_dim=16, page_size=4, seed=0
+    )
+    too_long = torch.tensor([[0, 0, 2, tables.shape[1] * 4 + 1]])
+    with pytest.raises(RuntimeError, match="inside its row's block table"):
+        ops.paged_prefill(query, keys, values, tables, too_long, 0, 1.0)  # type: ignore[attr-defined]
+    gap = torch.tensor([[0, 0, 1, 3], [1, 2, 3, 4]])  # token 1 belongs to no chunk
+    with pytest.raises(RuntimeError, match="contiguous run"):
+        ops.paged_prefill(query, keys, values, tables, gap, 0, 1.0)  # type: ignore[attr-defined]

@@ -1,4 +1,5 @@
-"""The sdpa backend against the naive dense reference in brigade.testing.attention."""
+"""The sdpa backend against the naive dense reference in brigade.testing.attention, on its CPU
+kernels (decode and prefill over pages in place) and on SDPA itself."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from brigade.interfaces import NoOptions
-from brigade.plugins.attention.sdpa import SdpaBackend
+from brigade.plugins.attention.sdpa import SdpaBackend, SdpaOptions
 from brigade.testing.attention import (
     AttentionCase,
     naive_attention,
@@ -27,8 +28,12 @@ MIXED_ROWS = [
 ]
 
 
-def _check(case: AttentionCase) -> None:
-    output, (key_cache, value_cache) = run_backend(SdpaBackend(NoOptions()), case)
+def _backend(native: bool) -> SdpaBackend:
+    return SdpaBackend(SdpaOptions(native_decode=native, native_prefill=native))
+
+
+def _check(case: AttentionCase, native: bool = True) -> None:
+    output, (key_cache, value_cache) = run_backend(_backend(native), case)
     torch.testing.assert_close(output.double(), naive_attention(case), atol=ATOL, rtol=0)
     slots = case.batch.slot_mapping
     flat_keys = key_cache.flatten(0, 1)  # [num_pages * page_size, kv_heads, head_dim]
@@ -42,12 +47,18 @@ def _case(rows: list[tuple[int, int]], **kwargs: Any) -> AttentionCase:
     return random_attention_case(list(query_lens), list(num_computed), **kwargs)
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["cpu-kernels", "sdpa"])
 @pytest.mark.parametrize("sliding_window", [None, 5])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (4, 2), (8, 2)])
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 def test_mixed_batch_matches_reference(
-    page_size: int, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None
+    page_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    sliding_window: int | None,
+    native: bool,
 ) -> None:
     _check(
         _case(
@@ -58,7 +69,8 @@ def test_mixed_batch_matches_reference(
             page_size=page_size,
             sliding_window=sliding_window,
             seed=page_size * 1000 + num_heads * 10 + num_kv_heads,
-        )
+        ),
+        native,
     )
 
 
@@ -71,7 +83,10 @@ def test_mixed_batch_matches_reference(
     ],
 )
 @pytest.mark.parametrize("sliding_window", [None, 1, 4, 64])
-def test_batch_shapes_and_windows(rows: list[tuple[int, int]], sliding_window: int | None) -> None:
+@pytest.mark.parametrize("native", [True, False], ids=["cpu-kernels", "sdpa"])
+def test_batch_shapes_and_windows(
+    rows: list[tuple[int, int]], sliding_window: int | None, native: bool
+) -> None:
     _check(
         _case(
             rows,
@@ -80,11 +95,13 @@ def test_batch_shapes_and_windows(rows: list[tuple[int, int]], sliding_window: i
             head_dim=64,
             page_size=4,
             sliding_window=sliding_window,
-        )
+        ),
+        native,
     )
 
 
-def test_bfloat16_cache_and_queries_by_tolerance() -> None:
+@pytest.mark.parametrize("native", [True, False], ids=["cpu-kernels", "sdpa"])
+def test_bfloat16_cache_and_queries_by_tolerance(native: bool) -> None:
     case = _case(
         MIXED_ROWS,
         num_heads=8,
@@ -94,9 +111,22 @@ def test_bfloat16_cache_and_queries_by_tolerance() -> None:
         sliding_window=5,
         dtype=torch.bfloat16,
     )
-    output, _ = run_backend(SdpaBackend(NoOptions()), case)
+    output, _ = run_backend(_backend(native), case)
     assert output.dtype == torch.bfloat16
     torch.testing.assert_close(output.double(), naive_attention(case), atol=3e-2, rtol=0)
+
+
+def test_prefill_chunks_take_the_cpu_kernel_not_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
+    case = _case(MIXED_ROWS, num_heads=4, num_kv_heads=2, head_dim=64, page_size=4)
+
+    def no_sdpa(*args: object, **kwargs: object) -> None:
+        raise AssertionError("SDPA ran although the CPU kernels take every row")
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", no_sdpa)
+    output, _ = run_backend(_backend(native=True), case)
+    torch.testing.assert_close(output.double(), naive_attention(case), atol=ATOL, rtol=0)
+    with pytest.raises(AssertionError, match="SDPA ran"):
+        run_backend(SdpaBackend(SdpaOptions(native_prefill=False)), case)
 
 
 def test_metadata_is_built_once_per_window_and_reused() -> None:

@@ -93,9 +93,10 @@ MODES: dict[str, dict[str, Any]] = {
     "eager": {"native_decode": True, "cpu_linear": "packed", "fused": True},
     "gather": {"native_decode": False, "cpu_linear": "plain", "fused": False},
 }
-"""How the CPU forward runs: the default fast path (decode attention in the C++ kernel that reads
-pages in place, linear layers through oneDNN's matmul on packed weights, norms/SiLU-mul/RoPE in the
-fused C++ kernels), or the reference path (pages gathered for SDPA, F.linear, torch's operations).
+"""How the CPU forward runs: the default fast path (decode and prefill attention in the C++
+kernels that read pages in place, linear layers through oneDNN's matmul on packed weights,
+norms/SiLU-mul/RoPE in the fused C++ kernels), or the reference path (pages gathered for SDPA,
+F.linear, torch's operations).
 The compiled forward is checked against the eager one in test_compiled.py."""
 
 
