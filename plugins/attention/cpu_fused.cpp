@@ -26,6 +26,7 @@
 
 #include "cpu_exp.h"
 #include "cpu_scalar.h"
+#include "cpu_vec.h"
 
 #include <algorithm>
 #include <cmath>
@@ -146,8 +147,14 @@ at::Tensor silu_mul(at::Tensor gate_up) {
         const T* gate = gate_up.data_ptr<T>() + row * gate_up.stride(0);
         const T* up = gate + width;
         T* o = out.data_ptr<T>() + row * width;
-#pragma omp simd
-        for (int64_t e = 0; e < width; ++e) {
+        int64_t e = 0;
+        for (; e + brigade_cpu::kLanes <= width; e += brigade_cpu::kLanes) {
+          const brigade_cpu::vecf g = brigade_cpu::load_vec(gate + e);
+          const brigade_cpu::vecf silu =
+              brigade_cpu::round_vec(g / (1.0f + brigade_cpu::exp_vec(-g)), T{});
+          brigade_cpu::store_vec(o + e, silu * brigade_cpu::load_vec(up + e));
+        }
+        for (; e < width; ++e) {
           const float g = to_float(gate[e]);
           const float silu = round_as<T>(g / (1.0f + brigade_cpu::exp_clamped(-g)));
           o[e] = from_float<T>(silu * to_float(up[e]));

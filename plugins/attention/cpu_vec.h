@@ -40,6 +40,30 @@ inline vecf load_vec(const c10::BFloat16* p) {
 
 inline void store_vec(float* p, vecf v) { std::memcpy(p, &v, sizeof(v)); }
 
+// Rounded to nearest even (NaN kept a NaN), as cpu_scalar.h's from_float does one value.
+inline vech bfloat16_bits(vecf v) {
+  vecw bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  const vecw rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  const vecw nan = vecw{} + 0x7FC0u;
+  return __builtin_convertvector(v != v ? nan : rounded, vech);
+}
+
+inline void store_vec(c10::BFloat16* p, vecf v) {
+  const vech half = bfloat16_bits(v);
+  std::memcpy(p, &half, sizeof(half));
+}
+
+// The value each lane takes when stored as a T (float: itself).
+inline vecf round_vec(vecf v, float) { return v; }
+
+inline vecf round_vec(vecf v, c10::BFloat16) {
+  const vecw wide = __builtin_convertvector(bfloat16_bits(v), vecw) << 16;
+  vecf out;
+  std::memcpy(&out, &wide, sizeof(out));
+  return out;
+}
+
 inline vec4 quarters(vecf v, bool maximum) {
 #if defined(__AVX512F__)
   const vec8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
