@@ -26,12 +26,14 @@ from brigade import LLM, SamplingParams
 
 CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("gemm", ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm", "mkldnn")),
+    ("fused decode layers (attention, norms, RoPE, SiLU)", ("decode_layers",)),
     (
         "attention",
         (
             "scaled_dot_product",
             "attention",
             "paged_decode",
+            "paged_prefill",
             "index_select",
             "index_copy",
             "aten::gather",
@@ -126,7 +128,8 @@ def breakdown(prof: Any, wall_ms: float, repeats: int) -> list[tuple[str, float]
         )
         totals[category] += event.self_cpu_time_total / 1e3 / repeats
     accounted = sum(totals.values())
-    rows = [(label, totals.get(label, 0.0)) for label in ("gemm", "attention", "other ops")]
+    labels = [label for label, _ in CATEGORIES if label != "sampler"] + ["other ops"]
+    rows = [(label, totals.get(label, 0.0)) for label in labels]
     rows.append(("sampler", totals.get("sampler", 0.0)))
     rows.append(("python, batch prep, scheduler (untimed by ops)", max(0.0, wall_ms - accounted)))
     return rows
@@ -135,7 +138,7 @@ def breakdown(prof: Any, wall_ms: float, repeats: int) -> list[tuple[str, float]
 def report(title: str, wall_ms: float, prof: Any, repeats: int, top: int) -> None:
     print(f"\n== {title}: {wall_ms:.1f} ms per step")
     for label, ms in breakdown(prof, wall_ms, repeats):
-        print(f"  {label:<48} {ms:8.2f} ms  {100 * ms / wall_ms:5.1f}%")
+        print(f"  {label:<52} {ms:8.2f} ms  {100 * ms / wall_ms:5.1f}%")
     print(f"  top {top} ops by self CPU time (ms per step):")
     events = sorted(
         (e for e in prof.key_averages() if e.key != "engine.step"),
