@@ -16,8 +16,12 @@ Engines (``--engines``, all by default), each a subprocess running a driver from
 Every engine runs in ``--dtype`` (float32 by default; bfloat16 for CPUs with AVX512-BF16 or
 AMX): weights, activations and KV cache.
 
-A peer whose venv is missing is skipped with a line saying so; one that crashes or runs past
-``--timeout`` is reported with its log's tail, and the others still run.
+The engines run side by side, taking turns (``benchmarks/peer_turns.py``): all are loaded, then
+each warm-up and each timed run goes to them in turn while the others are stopped, so that
+the machine's drift over minutes (25-30% seen here) slows them alike; ``--no-interleave`` runs
+them one after the other instead. A peer whose venv is missing is skipped with a line saying
+so; one that crashes or runs past ``--timeout`` is reported with its log's tail, and the
+others still run.
 
 The checkpoint (``--model``) is built once under ``$BRIGADE_CACHE_DIR/peers`` (default
 ``~/.cache/brigade/peers``): ``smollm2`` is SmolLM2-135M-Instruct, which Brigade loads from its
@@ -60,7 +64,6 @@ import os
 import random
 import resource
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -68,6 +71,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from peer_turns import run_group
 
 REPO = Path(__file__).resolve().parent.parent
 DRIVERS = Path(__file__).resolve().parent / "peer_drivers"
@@ -362,45 +367,31 @@ def children_cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def run_driver(
-    engine: Engine, job: dict[str, Any], workdir: Path, logs: Path, timeout: float
-) -> tuple[dict[str, Any], str]:
-    """Run one driver to completion or ``timeout``; (its results so far, an error or '').
-
-    The results carry ``wall_s`` and ``others_cpu_share``: the share of the machine's CPU
-    time that processes other than this driver (and the workers it waited for) used meanwhile.
-    """
-    tag = f"{engine.name}-{'prefix' if job['prefix_caching'] else 'plain'}"
-    job_path, result_path = workdir / f"{tag}.job", workdir / f"{tag}.out"
-    log_path = logs / f"{tag}.log"
-    job_path.write_text(json.dumps(job))
-    env = {**os.environ, **engine.env, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
-    command = [str(engine.python), str(DRIVERS / engine.driver), str(job_path), str(result_path)]
-    error = ""
+def run_side_by_side(
+    engines: list[Engine],
+    jobs: dict[str, dict[str, Any]],
+    workdir: Path,
+    logs: Path,
+    timeout: float,
+) -> dict[str, tuple[dict[str, Any], str]]:
+    """``peer_turns.run_group``, plus each result's ``wall_s`` (the group's) and
+    ``others_cpu_share``: the share of the machine's CPU time that processes other than these
+    drivers (and the workers they waited for) used meanwhile; errors carry the log's tail."""
     started = time.perf_counter()
     busy_before, ours_before = busy_cpu_seconds(), children_cpu_seconds()
-    with log_path.open("w") as log:
-        # Its own session, so a timeout ends the driver and any workers it started (vLLM's).
-        process = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-        try:
-            code = process.wait(timeout=timeout)
-            if code:
-                error = f"exited with status {code}"
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=60)
-            error = f"timed out after {timeout:.0f} s"
+    outcome = run_group(engines, jobs, DRIVERS, workdir, logs, timeout)
     wall = time.perf_counter() - started
     others = (busy_cpu_seconds() - busy_before) - (children_cpu_seconds() - ours_before)
-    result = json.loads(result_path.read_text()) if result_path.exists() else {}
-    result["wall_s"] = wall
-    result["others_cpu_share"] = max(0.0, others) / (wall * (os.cpu_count() or 1))
-    if error:
-        tail = log_path.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
-        error += f"; {log_path}" + (":\n    " + "\n    ".join(tail) if tail else " is empty")
-    return result, error
+    share = max(0.0, others) / (wall * (os.cpu_count() or 1))
+    for name, (result, error) in outcome.items():
+        result["wall_s"], result["others_cpu_share"] = wall, share
+        if error:
+            tag = f"{name}-{'prefix' if jobs[name]['prefix_caching'] else 'plain'}"
+            log_path = logs / f"{tag}.log"
+            tail = log_path.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+            error += f"; {log_path}" + (":\n    " + "\n    ".join(tail) if tail else " is empty")
+            outcome[name] = (result, error)
+    return outcome
 
 
 # --- correctness -----------------------------------------------------------------------------
@@ -577,13 +568,43 @@ class Measurements:
     notes: list[str]
 
 
+def record(
+    found: Measurements,
+    name: str,
+    prefix_caching: bool,
+    chosen: list[str],
+    workloads: dict[str, dict[str, Any]],
+    result: dict[str, Any],
+    error: str,
+) -> None:
+    """File one driver's results (or why it has none) under each of its workloads."""
+    keep = ("facts", "startup_s", "wall_s", "others_cpu_share")
+    found.facts.setdefault(name, {})["prefix" if prefix_caching else "plain"] = {
+        k: result.get(k) for k in keep
+    }
+    for workload in chosen:
+        got = result.get("workloads", {}).get(workload)
+        if got and "error" not in got:
+            found.results[workload][name] = got
+            found.others_cpu_share[workload][name] = result["others_cpu_share"]
+            # Now, not only in the report: a run cut short keeps what it measured.
+            shown = ", ".join(f"{k} {v:.2f}" for k, v in figures(workloads[workload], got).items())
+            print(f"  {name} {workload}: {shown}", file=sys.stderr, flush=True)
+        else:
+            reason = (got or {}).get("error") or error or "no result"
+            found.errors[workload][name] = reason.strip()
+    status = f" ({error.splitlines()[0]})" if error else ""
+    print(f"  {name} done in {result['wall_s']:.0f} s{status}", file=sys.stderr)
+
+
 def run_engines(
     args: argparse.Namespace,
     checkpoint: Checkpoint,
     workloads: dict[str, dict[str, Any]],
     engines: dict[str, Engine],
 ) -> Measurements:
-    """Each engine in turn, in two jobs: prefix caching off (uniform, mixed, batch1), on."""
+    """Every engine in two jobs, prefix caching off (uniform, mixed, batch1) then on, side by
+    side taking turns (``peer_turns``) unless ``--no-interleave``."""
     found = Measurements(
         {w: {} for w in workloads}, {w: {} for w in workloads}, {w: {} for w in workloads}, {}, []
     )
@@ -592,12 +613,12 @@ def run_engines(
     logs.mkdir(parents=True, exist_ok=True)
     print(f"driver logs: {logs}", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="brigade-peers-") as tmp:
-        for name, engine in engines.items():
-            for prefix_caching, members in groups:
-                chosen = [w for w in members if w in workloads]
-                if not chosen:
-                    continue
-                job = {
+        for prefix_caching, members in groups:
+            chosen = [w for w in members if w in workloads]
+            if not chosen:
+                continue
+            jobs = {
+                name: {
                     "engine": name,
                     "model": checkpoint.as_job(args.dtype),
                     "threads": args.threads,
@@ -606,27 +627,19 @@ def run_engines(
                     "options": engine_options(name, args),
                     "workloads": [workloads[w] for w in chosen],
                 }
-                print(f"running {name}: {', '.join(chosen)} ...", file=sys.stderr, flush=True)
-                result, error = run_driver(engine, job, Path(tmp), logs, args.timeout)
-                keep = ("facts", "startup_s", "wall_s", "others_cpu_share")
-                found.facts.setdefault(name, {})["prefix" if prefix_caching else "plain"] = {
-                    k: result.get(k) for k in keep
-                }
-                for workload in chosen:
-                    got = result.get("workloads", {}).get(workload)
-                    if got and "error" not in got:
-                        found.results[workload][name] = got
-                        found.others_cpu_share[workload][name] = result["others_cpu_share"]
-                        # Now, not only in the report: a run cut short keeps what it measured.
-                        shown = ", ".join(
-                            f"{k} {v:.2f}" for k, v in figures(workloads[workload], got).items()
-                        )
-                        print(f"  {name} {workload}: {shown}", file=sys.stderr, flush=True)
-                    else:
-                        reason = (got or {}).get("error") or error or "no result"
-                        found.errors[workload][name] = reason.strip()
-                status = f" ({error.splitlines()[0]})" if error else ""
-                print(f"  {name} done in {result['wall_s']:.0f} s{status}", file=sys.stderr)
+                for name in engines
+            }
+            # Side by side, taking turns; or (--no-interleave) one engine after the other.
+            lineup = (
+                [list(engines.values())] if args.interleave else [[e] for e in engines.values()]
+            )
+            for group in lineup:
+                names = ", ".join(engine.name for engine in group)
+                print(f"running {names}: {', '.join(chosen)} ...", file=sys.stderr, flush=True)
+                outcome = run_side_by_side(group, jobs, Path(tmp), logs, args.timeout)
+                for name, (result, error) in outcome.items():
+                    record(found, name, prefix_caching, chosen, workloads, result, error)
+    llama_facts = found.facts.get("llamacpp", {}).get("prefix", {}).get("facts") or {}
     llama_facts = found.facts.get("llamacpp", {}).get("prefix", {}).get("facts") or {}
     if "shared-prefix" in workloads:
         if "transformers" in engines:
@@ -781,7 +794,18 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--llamacpp-parallel", type=int, default=32)
     parser.add_argument("--peers-dir", default=os.environ.get("BRIGADE_PEERS_DIR", "/work/peers"))
     parser.add_argument("--vllm-cache", default="~/.cache/brigade-peers/vllm")
-    parser.add_argument("--timeout", type=float, default=3600, help="seconds per engine subprocess")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=3600,
+        help="seconds an engine may take to load or for one call",
+    )
+    parser.add_argument(
+        "--no-interleave",
+        dest="interleave",
+        action="store_false",
+        help="run the engines one after the other instead of side by side taking turns",
+    )
     parser.add_argument("--json", type=Path, default=None, help="write all figures here")
     args = parser.parse_args()
     args.engine_list = [e.strip() for e in args.engines.split(",") if e.strip()]

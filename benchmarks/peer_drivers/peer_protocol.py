@@ -10,17 +10,24 @@ A workload is a warm-up batch and timed runs (fresh prompts each, same shapes). 
 same one-prompt batch, one asking for a single token and one for the full output, so that
 decode time = full - first, whatever the engine. The tokens of the first timed run's
 ``sample`` requests come back for the correctness check.
+
+Taking turns: when ``peers.py`` runs several engines side by side it starts them all and lets
+one run at a time, so that a machine whose speed drifts over minutes slows every engine alike.
+It then passes two pipe descriptors in ``PEERS_TURN_FDS`` ("read,write"): the driver says
+``loaded`` once its engine is up, then, before every warm-up and every timed run, waits for a
+line on the read end and answers ``done`` on the write end when that call is over.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -120,19 +127,56 @@ def _first_token_batch(batch: Batch) -> Batch:
     return dataclasses.replace(batch, output_lens=[1] * len(batch.output_lens))
 
 
-def run_workload(generate: Generate, workload: Workload) -> dict[str, Any]:
+class Turns:
+    """The driver's side of taking turns (see the module docstring); without
+    ``PEERS_TURN_FDS`` every call runs at once."""
+
+    def __init__(self) -> None:
+        fds = os.environ.get("PEERS_TURN_FDS")
+        self.taken = bool(fds)
+        """Whether calls wait for turns (the engine is stopped between them)."""
+        self._go = self._done = None
+        if fds:
+            read, write = (int(fd) for fd in fds.split(","))
+            self._go = os.fdopen(read, "r")
+            self._done = os.fdopen(write, "w")
+
+    def say(self, word: str) -> None:
+        if self._done is not None:
+            self._done.write(word + "\n")
+            self._done.flush()
+
+    @contextlib.contextmanager
+    def turn(self) -> Iterator[None]:
+        """Wait for this engine's turn, run the body, then say ``done`` (``failed`` if it
+        raised: the parent gives this engine no more turns of the workload)."""
+        if self._go is not None and not self._go.readline():
+            raise SystemExit(0)  # the parent has gone
+        try:
+            yield
+        except BaseException:
+            self.say("failed")
+            raise
+        self.say("done")
+
+
+def run_workload(generate: Generate, workload: Workload, turns: Turns) -> dict[str, Any]:
     """Warm up, then time every run; the figures and sampled tokens as JSON-able values."""
     latency = workload.kind == "latency"
-    if latency:
-        _timed(generate, _first_token_batch(workload.warmup))
-    _timed(generate, workload.warmup)
+    with turns.turn():
+        if latency:
+            _timed(generate, _first_token_batch(workload.warmup))
+        _timed(generate, workload.warmup)
     seconds: list[float] = []
     first_token_seconds: list[float] = []
     sampled: dict[str, list[int]] = {}
     for index, batch in enumerate(workload.runs):
-        if latency:
-            first_token_seconds.append(_timed(generate, _first_token_batch(batch))[0])
-        elapsed, outputs = _timed(generate, batch)
+        with turns.turn():
+            if turns.taken:  # woken from SIGSTOP: one untimed call first, as after a warm-up
+                _timed(generate, _first_token_batch(workload.warmup))
+            if latency:
+                first_token_seconds.append(_timed(generate, _first_token_batch(batch))[0])
+            elapsed, outputs = _timed(generate, batch)
         seconds.append(elapsed)
         if index == 0:
             sampled = {str(i): outputs[i] for i in workload.sample}
@@ -164,15 +208,17 @@ def run_job(
         partial.write_text(json.dumps(result))
         os.replace(partial, result_path)
 
+    turns = Turns()
     started = time.perf_counter()
     generate, facts = load_engine(job)
     result["startup_s"] = time.perf_counter() - started
     result["facts"] = facts
     write()
+    turns.say("loaded")
     for workload in job.workloads:
         print(f"[{job.engine}] {workload.name} ...", file=sys.stderr, flush=True)
         try:
-            result["workloads"][workload.name] = run_workload(generate, workload)
+            result["workloads"][workload.name] = run_workload(generate, workload, turns)
         except Exception:  # report it and go on: the other workloads may still run
             result["workloads"][workload.name] = {"error": traceback.format_exc(limit=8)}
         write()
