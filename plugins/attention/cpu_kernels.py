@@ -5,9 +5,10 @@ paged KV cache (``cpu_paged.cpp``) and a decoder layer's small fused operations
 
 The build (a few seconds to a minute, once per machine and torch version) goes to
 ``$BRIGADE_CACHE_DIR/extensions/<key>``, where the key covers the source, torch's version and
-the CPU's vector extensions (the code is compiled for this CPU: ``-march=native``). When it
-cannot be built (no C++ compiler, no ninja) the caller gets None and a warning is logged once;
-attention then takes its portable path.
+the CPU's vector extensions (the code is compiled for this CPU: ``-march=native``, or the
+target named by ``$BRIGADE_CPU_MARCH``, e.g. ``x86-64-v3`` to run the AVX2 code paths on an
+AVX-512 machine). When it cannot be built (no C++ compiler, no ninja) the caller gets None and
+a warning is logged once; attention then takes its portable path.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import fcntl
 import functools
 import hashlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -27,7 +29,7 @@ import torch
 
 from brigade.cache import cache_root
 
-__all__ = ["cpu_ops", "exclusive_build", "paged_decode_kernel"]
+__all__ = ["cpu_ops", "exclusive_build", "kernels_take_head_dim", "paged_decode_kernel"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,9 +39,15 @@ _SOURCES = tuple(
 _HEADERS = tuple(
     Path(__file__).with_name(name) for name in ("cpu_exp.h", "cpu_scalar.h", "cpu_vec.h")
 )
-_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math", "-fno-math-errno"]
+_CFLAGS = [
+    "-O3",
+    f"-march={os.environ.get('BRIGADE_CPU_MARCH') or 'native'}",
+    "-fopenmp",
+    "-fno-trapping-math",
+    "-fno-math-errno",
+]
 """As torch's own build: without the last two, GCC keeps the float clamps and exp of the
-kernels' loops scalar."""
+kernels' loops scalar. The target is part of the cache key."""
 _LOCK = threading.Lock()
 
 
@@ -115,6 +123,12 @@ def cpu_ops() -> Any:
                 lines[-1] if lines else repr(error),
             )
             return None
+
+
+def kernels_take_head_dim(head_dim: int, lanes: int) -> bool:
+    """Whether the vector attention kernels take ``head_dim`` on a CPU with ``lanes`` floats
+    per vector (``ops.vector_lanes()``): 1-8 whole vectors, or 128 (as ``cpu_vec.h`` says)."""
+    return head_dim == 128 or (head_dim % lanes == 0 and head_dim <= 8 * lanes)
 
 
 def paged_decode_kernel() -> Callable[..., torch.Tensor] | None:

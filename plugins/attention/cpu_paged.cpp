@@ -187,7 +187,7 @@ using AttendVec = void (*)(const float*, const Cache*, const Cache*, const int64
                            int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float,
                            float*, float*);
 
-// attend_vec for this head_dim, or nullptr when it is not 1..kMaxChunks vectors.
+// attend_vec for this head_dim, or nullptr when it is not 1..8 vectors or 128.
 template <typename Cache>
 AttendVec<Cache> attend_vec_for(int64_t head_dim) {
   if (head_dim % kLanes != 0) return nullptr;
@@ -199,9 +199,10 @@ AttendVec<Cache> attend_vec_for(int64_t head_dim) {
     case 5: return attend_vec<5, Cache>;
     case 6: return attend_vec<6, Cache>;
     case 7: return attend_vec<7, Cache>;
-    case kMaxChunks: return attend_vec<kMaxChunks, Cache>;
-    default: return nullptr;
+    case 8: return attend_vec<8, Cache>;
+    default: break;
   }
+  return head_dim == 128 ? attend_vec<kMaxChunks, Cache> : nullptr;  // 16 vectors on AVX2
 }
 
 // Any head_dim: one key at a time, scores then values (the group's heads side by side);

@@ -227,9 +227,11 @@ TaskFn<Query, Cache> task_fn_for(int64_t head_dim) {
     case 5: return attend_task<5, 3, Query, Cache>;
     case 6: return attend_task<6, 2, Query, Cache>;
     case 7: return attend_task<7, 2, Query, Cache>;
-    case kMaxChunks: return attend_task<kMaxChunks, 2, Query, Cache>;
-    default: return nullptr;
+    case 8: return attend_task<8, 2, Query, Cache>;
+    default: break;
   }
+  // 128 on AVX2: 16 vectors a row, one row at a time (two would not fit the 16 registers)
+  return head_dim == 128 ? attend_task<kMaxChunks, 1, Query, Cache> : nullptr;
 }
 
 template <typename Query, typename Cache>
@@ -238,7 +240,7 @@ void prefill(const at::Tensor& query, const at::Tensor& key_cache, const at::Ten
              at::Tensor& out, const Geometry& geo) {
   const TaskFn<Query, Cache> fn = task_fn_for<Query, Cache>(geo.head_dim);
   TORCH_CHECK(fn != nullptr, "paged_prefill: head_dim ", geo.head_dim,
-              " is not a multiple of ", kLanes, " up to ", kLanes * kMaxChunks);
+              " is neither a multiple of ", kLanes, " up to ", 8 * kLanes, " nor 128");
   const int64_t max_pages = block_tables.size(1);
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const Query* q = query.data_ptr<Query>();

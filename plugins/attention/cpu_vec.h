@@ -15,7 +15,9 @@ constexpr int kLanes = 16;
 #else
 constexpr int kLanes = 8;
 #endif
-constexpr int kMaxChunks = 8;  // head_dim up to 8 vectors (128 with AVX-512, 64 without)
+// The vector kernels take head_dim of 1-8 vectors, and 128 (16 vectors of 8 without AVX-512);
+// kernels_take_head_dim in cpu_kernels.py says the same.
+constexpr int kMaxChunks = 128 / kLanes;
 typedef float vecf __attribute__((vector_size(4 * kLanes)));
 typedef int32_t veci __attribute__((vector_size(4 * kLanes)));
 typedef uint16_t vech __attribute__((vector_size(2 * kLanes)));

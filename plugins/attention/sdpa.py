@@ -193,13 +193,10 @@ class SdpaBackend(AttentionBackend):
             return None
         if {query.dtype, key_cache.dtype} - {torch.float32, torch.bfloat16}:
             return None
-        from brigade.plugins.attention.cpu_kernels import cpu_ops
+        from brigade.plugins.attention.cpu_kernels import cpu_ops, kernels_take_head_dim
 
         ops = cpu_ops()
-        if ops is None:
-            return None
-        lanes = int(ops.vector_lanes())
-        if layer.head_dim % lanes or layer.head_dim > 8 * lanes:
+        if ops is None or not kernels_take_head_dim(layer.head_dim, int(ops.vector_lanes())):
             return None
         return ops.paged_prefill
 

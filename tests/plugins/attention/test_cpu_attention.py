@@ -10,7 +10,11 @@ import pytest
 import torch
 
 from brigade.plugins.attention import cpu_kernels
-from brigade.plugins.attention.cpu_kernels import exclusive_build, paged_decode_kernel
+from brigade.plugins.attention.cpu_kernels import (
+    exclusive_build,
+    kernels_take_head_dim,
+    paged_decode_kernel,
+)
 
 
 def _paged_case(
@@ -216,7 +220,7 @@ def test_paged_prefill_equals_causal_softmax_over_each_rows_keys(
     window: int,
     dtype: torch.dtype,
 ) -> None:
-    if head_dim % ops.vector_lanes():  # type: ignore[attr-defined]
+    if not kernels_take_head_dim(head_dim, ops.vector_lanes()):  # type: ignore[attr-defined]
         pytest.skip(f"head_dim {head_dim} does not fill this CPU's vectors")
     # (row length after the step, its new tokens): a whole prompt, chunks after cached
     # prefixes (short, across pages, longer than a key block), one token, a long prompt.
