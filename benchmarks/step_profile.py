@@ -8,6 +8,12 @@ what no tensor op accounts for (Python, batch preparation, scheduling), then the
     python benchmarks/step_profile.py                       # SmolLM2, fp32, 2 threads
     python benchmarks/step_profile.py --model small          # the random Llama "small"
     python benchmarks/step_profile.py --set attention.native_decode=false
+    python benchmarks/step_profile.py --set model.dtype=bfloat16
+    python benchmarks/step_profile.py --mixed                # the mixed workload, by step kind
+
+``--mixed`` runs ``benchmarks/peers.py``'s mixed workload (128 requests, prompts 16-512, outputs
+16-256) through ``LLM.generate`` and splits the executor's time by kind of step: pure decode
+steps (by rows), mixed steps (prefill chunks beside decodes) and pure prefills.
 """
 
 from __future__ import annotations
@@ -152,6 +158,64 @@ def report(title: str, wall_ms: float, prof: Any, repeats: int, top: int) -> Non
         )
 
 
+def mixed_by_kind(llm: LLM, seed: int) -> None:
+    """peers.py's mixed workload through ``LLM.generate``, the executor's time by step kind."""
+    from peers import make_workload  # benchmarks/ is this script's directory
+
+    workload = make_workload("mixed", llm.engine.vocab_size, seed, 1.0, None, 0)
+    batch = workload["runs"][0]
+    executor = llm.engine.executor
+    execute = executor.execute
+    stats: dict[tuple[str, int], list[float]] = collections.defaultdict(lambda: [0, 0.0, 0, 0])
+
+    def timed(step_batch: Any) -> Any:
+        started = time.perf_counter()
+        out = execute(step_batch)
+        elapsed = time.perf_counter() - started
+        tokens, rows, decodes = (
+            step_batch.input_ids.shape[0],
+            step_batch.num_reqs,
+            step_batch.num_decodes,
+        )
+        if tokens == decodes:
+            key = ("decode steps, rows", min(rows // 32 * 32, 96))
+        else:
+            key = ("prefill steps" if decodes == 0 else "mixed steps (prefill + decode)", 0)
+        entry = stats[key]
+        entry[0] += 1
+        entry[1] += elapsed
+        entry[2] += tokens
+        entry[3] += rows
+        return out
+
+    def params(lengths: list[int]) -> list[SamplingParams]:
+        return [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+
+    warmup = workload["warmup"]
+    llm.generate(warmup["prompts"], params(warmup["output_lens"]), use_tqdm=False)
+    executor.execute = timed  # type: ignore[method-assign]
+    started = time.perf_counter()
+    llm.generate(batch["prompts"], params(batch["output_lens"]), use_tqdm=False)
+    wall = time.perf_counter() - started
+    executor.execute = execute  # type: ignore[method-assign]
+    total = sum(batch["output_lens"])
+    busy = sum(entry[1] for entry in stats.values())
+    print(f"\n== mixed workload: {len(batch['prompts'])} requests, {total} new tokens")
+    print(
+        f"  {wall:.1f} s, {total / wall:.1f} tok/s; executor {busy:.1f} s"
+        f" ({100 * busy / wall:.0f}%)"
+    )
+    for (kind, rows), (count, elapsed, tokens, num_rows) in sorted(stats.items()):
+        label = kind
+        if kind.startswith("decode"):
+            label += f" {rows}+" if rows == 96 else f" {rows}-{rows + 31}"
+        print(
+            f"  {label:<36} {count:4d} steps {elapsed:7.2f} s ({100 * elapsed / wall:4.1f}%)"
+            f"  {1e3 * elapsed / count:7.1f} ms/step, {tokens / count:5.0f} tokens,"
+            f" {num_rows / count:4.0f} rows per step"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2", choices=("smollm2", "tiny", "small"))
@@ -162,11 +226,19 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=8)
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--set", action="append", default=[], help="brigade config override")
+    parser.add_argument(
+        "--mixed", action="store_true", help="peers.py's mixed workload, time by step kind"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="the mixed workload's seed")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"{cpu_flags()}; torch {torch.__version__}, {args.threads} threads, fp32")
     llm = make_llm(args.model, args.set)
+    dtype = str(llm.engine.executor.dtype).removeprefix("torch.")
+    print(f"{cpu_flags()}; torch {torch.__version__}, {args.threads} threads, {dtype}")
     print(f"model {llm.engine.checkpoint.name}; settings {args.set or 'defaults'}")
+    if args.mixed:
+        mixed_by_kind(llm, args.seed)
+        return
 
     step = decode_steps(llm, args.batch, args.context, args.repeats + 2)
     wall_ms, prof = profile_steps(step, args.repeats)
