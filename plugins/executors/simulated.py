@@ -52,12 +52,24 @@ class GpuSpec:
     bandwidth: float
     """HBM bytes/s."""
     memory_bytes: int
+    link_bandwidth: float
+    """NVLink bytes/s one GPU sends to the others (half the bidirectional datasheet figure)."""
+    link_latency_s: float = 10e-6
+    """Fixed cost of one all-reduce (launch and synchronisation), seconds."""
 
 
 GPUS: dict[str, GpuSpec] = {
-    "H100": GpuSpec(peak_flops=989e12, bandwidth=3.35e12, memory_bytes=80 * GIB),  # SXM
-    "H200": GpuSpec(peak_flops=989e12, bandwidth=4.8e12, memory_bytes=141 * GIB),
-    "A100": GpuSpec(peak_flops=312e12, bandwidth=2.0e12, memory_bytes=80 * GIB),  # SXM 80GB
+    # SXM, NVLink 4: 900 GB/s bidirectional
+    "H100": GpuSpec(
+        peak_flops=989e12, bandwidth=3.35e12, memory_bytes=80 * GIB, link_bandwidth=450e9
+    ),
+    "H200": GpuSpec(
+        peak_flops=989e12, bandwidth=4.8e12, memory_bytes=141 * GIB, link_bandwidth=450e9
+    ),
+    # SXM 80GB, NVLink 3: 600 GB/s bidirectional
+    "A100": GpuSpec(
+        peak_flops=312e12, bandwidth=2.0e12, memory_bytes=80 * GIB, link_bandwidth=300e9
+    ),
 }
 
 
@@ -69,7 +81,10 @@ class SimulatedExecutorOptions:
         "H100", help="GPU whose datasheet figures the cost model uses", choices=tuple(GPUS)
     )
     num_gpus: int = option(
-        1, help="GPUs sharing the model (ideal tensor parallel: no communication cost)", ge=1
+        1,
+        help="GPUs sharing the model by tensor parallelism: FLOP/s, bandwidth and memory add "
+        "up, and every layer all-reduces the step's activations twice over NVLink",
+        ge=1,
     )
     step_overhead_s: float = option(0.002, help="fixed cost of every step in seconds", ge=0)
     efficiency: float = option(
@@ -179,7 +194,8 @@ class StepProfile:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class CostModel:
-    """Seconds one step takes: overhead + max(compute, memory) on ``num_gpus`` GPUs."""
+    """Seconds one step takes: overhead + max(compute, memory) + communication on
+    ``num_gpus`` GPUs."""
 
     shape: ModelShape
     gpu: GpuSpec
@@ -195,9 +211,28 @@ class CostModel:
             prefill_tokens = sum(q for q in query_lens if q > 1)
             decode_s = self.profile.decode_step_s(decodes) if decodes else 0.0
             return decode_s + prefill_tokens / self.profile.prefill_tokens_per_s
-        return self.step_overhead_s + max(
-            self.compute_s(query_lens, seq_lens, num_sampled), self.memory_s(query_lens, seq_lens)
+        return (
+            self.step_overhead_s
+            + max(
+                self.compute_s(query_lens, seq_lens, num_sampled),
+                self.memory_s(query_lens, seq_lens),
+            )
+            + self.communication_s(sum(query_lens))
         )
+
+    def communication_s(self, num_tokens: int) -> float:
+        """Tensor parallel's all-reduces: two per layer (after attention's output projection
+        and after the MLP) of ``num_tokens`` x hidden bf16 activations, each a ring
+        all-reduce (every GPU sends ``2 (n - 1) / n`` of the bytes) plus a fixed latency; not
+        overlapped with compute. Zero on one GPU."""
+        n = self.num_gpus
+        if n == 1:
+            return 0.0
+        shape, gpu = self.shape, self.gpu
+        message = num_tokens * shape.hidden_size * BYTES_PER_ELEMENT
+        sent = 2 * (n - 1) / n * message
+        one = gpu.link_latency_s + sent / (gpu.link_bandwidth * self.efficiency)
+        return 2 * shape.num_layers * one
 
     def compute_s(self, query_lens: list[int], seq_lens: list[int], num_sampled: int) -> float:
         """Matmul FLOPs (2 per parameter per token; LM head only on sampled rows) + attention."""

@@ -70,6 +70,26 @@ def test_overhead_and_efficiency_scale_the_step() -> None:
     assert slower.step_time([1], [128], 1) == pytest.approx(2 * base + 0.002)
 
 
+def test_tensor_parallel_adds_two_all_reduces_per_layer() -> None:
+    one = ideal()
+    assert one.communication_s(4096) == 0.0
+    four = CostModel(SHAPE_70B, GPUS["H100"], num_gpus=4, efficiency=1.0, step_overhead_s=0.0)
+    # A ring all-reduce of T x hidden bf16 activations: each GPU sends 2 (n - 1) / n of them.
+    tokens = 4096
+    sent = 2 * 3 / 4 * tokens * SHAPE_70B.hidden_size * 2
+    per_reduce = GPUS["H100"].link_latency_s + sent / GPUS["H100"].link_bandwidth
+    assert four.communication_s(tokens) == pytest.approx(2 * 80 * per_reduce)
+    # Not overlapped: the step is the ideal 4-GPU step plus the all-reduces.
+    ideal_four = max(four.compute_s([tokens], [tokens], 1), four.memory_s([tokens], [tokens]))
+    step = four.step_time([tokens], [tokens], 1)
+    assert step == pytest.approx(ideal_four + four.communication_s(tokens))
+    # Prefill: still ~3.5x faster than one GPU; batch-1 decode pays mostly the latencies.
+    assert 3.0 < one.step_time([tokens], [tokens], 1) / step < 4.0
+    decode = four.step_time([1], [128], 1)
+    assert four.communication_s(1) == pytest.approx(2 * 80 * 10e-6, rel=0.01)
+    assert one.step_time([1], [128], 1) / decode < 4.0
+
+
 def test_a_profile_replaces_the_analytic_model(tmp_path: Path) -> None:
     path = tmp_path / "profile.json"
     path.write_text(
