@@ -116,6 +116,13 @@ class EngineCore:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         started = time.perf_counter()
+        replicas = config["router"].settings.data_parallel_size
+        if replicas > 1:
+            raise ConfigError(
+                f"{config.source}: [router] data_parallel_size = {replicas} runs only under the "
+                'simulator so far (brigade bench with [executor] plugin = "simulated"); an '
+                "engine here is one replica: set it to 1"
+            )
         self.config = config
         self.clock = clock
         """The engine clock (read it, do not replace it: the scheduler holds it too)."""

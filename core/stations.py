@@ -11,6 +11,7 @@ __all__ = [
     "KVSettings",
     "ModelSettings",
     "NoSettings",
+    "RouterSettings",
     "SamplerSettings",
     "SchedulerSettings",
     "ServerSettings",
@@ -141,6 +142,17 @@ class ServerSettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class RouterSettings:
+    data_parallel_size: int = option(
+        1,
+        help="engine replicas, each with its own scheduler and KV cache, behind the router; "
+        "more than 1 runs under the simulator (brigade bench with the simulated executor) "
+        "for now",
+        ge=1,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
 class NoSettings:
     """A station whose table holds only its plugin's options."""
 
@@ -211,6 +223,13 @@ STATIONS: dict[str, Station] = {
             "incremental",
             NoSettings,
             "Turns tokens into text and finds stop strings.",
+        ),
+        Station(
+            "router",
+            "router",
+            "round-robin",
+            RouterSettings,
+            "Places each new request on one of the data-parallel engine replicas.",
         ),
         Station("server", None, None, ServerSettings, "The HTTP server of `brigade serve`."),
     )

@@ -46,6 +46,7 @@ from brigade.interfaces.request import (
     freeze_extra,
     is_decode,
 )
+from brigade.interfaces.router import ReplicaLoad, Router, RouterParams
 from brigade.interfaces.sampler import (
     LogitsProcessor,
     SampleOutput,
@@ -62,7 +63,7 @@ from brigade.interfaces.sampling import (
 )
 from brigade.interfaces.scheduler import SchedulerParams, SchedulerView, SchedulingPolicy
 
-API_VERSION = "2.1"
+API_VERSION = "2.2"
 """The plugin API version, "MAJOR.MINOR". MINOR grows when contracts gain backwards-compatible
 additions (a new optional method, a new field with a default): a plugin built for 2.0 runs on
 2.1, one built for 2.1 is refused by 2.0. MAJOR grows on any change that can break an existing
@@ -78,6 +79,7 @@ COMPONENT_KINDS: dict[str, type] = {
     "grammar": GrammarBackend,
     "detokenizer": Detokenizer,
     "model": ModelArchitecture,
+    "router": Router,
 }
 """Every component kind and the contract its implementations fulfil."""
 
@@ -91,6 +93,7 @@ FACTORY_ARGUMENTS: dict[str, tuple[str, ...]] = {
     "grammar": ("grammar_params", "options"),
     "detokenizer": ("tokenizer", "options"),
     "model": (),
+    "router": ("router_params", "options"),
 }
 """How core calls each kind's factory (positional arguments, in order)."""
 
@@ -144,7 +147,10 @@ __all__ = [
     "PageSizeRule",
     "Request",
     "RequestError",
+    "ReplicaLoad",
     "RequestStatus",
+    "Router",
+    "RouterParams",
     "SampleOutput",
     "Sampler",
     "SamplerParams",

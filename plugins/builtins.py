@@ -17,6 +17,13 @@ from brigade.plugins.grammar.xgrammar import XGrammarBackend, XGrammarOptions
 from brigade.plugins.kv.paged import PagedKVManager, PagedKVOptions
 from brigade.plugins.kv.radix import RadixKVManager, RadixKVOptions
 from brigade.plugins.models.architectures import ARCHITECTURES
+from brigade.plugins.routers.builtin import (
+    CacheAwareOptions,
+    CacheAwareRouter,
+    LeastLoadedRouter,
+    RoundRobinRouter,
+    RouterNoOptions,
+)
 from brigade.plugins.samplers.ban_words import BanWordsOptions, BanWordsProcessor
 from brigade.plugins.samplers.standard import StandardSampler, StandardSamplerOptions
 from brigade.plugins.schedulers.cache_aware import LongestPrefixOptions, LongestPrefixPolicy
@@ -44,5 +51,8 @@ def brigade_register(registry: ComponentRegistry) -> None:
     registry.add(
         "detokenizer", "incremental", IncrementalDetokenizer, options=IncrementalDetokenizerOptions
     )
+    registry.add("router", "round-robin", RoundRobinRouter, options=RouterNoOptions)
+    registry.add("router", "least-loaded", LeastLoadedRouter, options=RouterNoOptions)
+    registry.add("router", "cache-aware", CacheAwareRouter, options=CacheAwareOptions)
     for hf_name, architecture in ARCHITECTURES.items():
         registry.add("model", hf_name, architecture)

@@ -11,6 +11,7 @@ not depend on how fast this machine runs the scheduler.
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
 from collections import deque
@@ -23,7 +24,7 @@ from brigade.bench.workloads import WorkloadRequest, submit
 from brigade.config import load_config
 from brigade.engine import EngineCore
 from brigade.errors import ConfigError
-from brigade.interfaces import EMPTY_EXTRA, ExtraValue
+from brigade.interfaces import EMPTY_EXTRA, ExtraValue, ReplicaLoad, Router, RouterParams
 from brigade.registry import Registry, default_registry
 
 __all__ = ["RequestRecord", "SimulationResult", "VirtualClock", "run_simulation"]
@@ -133,6 +134,19 @@ def run_simulation(
         torch.set_num_threads(threads)
 
 
+@dataclasses.dataclass
+class _Replica:
+    """One data-parallel engine on its own virtual clock."""
+
+    engine: EngineCore
+    clock: VirtualClock
+
+    def load(self, index: int) -> ReplicaLoad:
+        stats = self.engine.stats()
+        used = 1.0 - stats.num_free_pages / stats.num_pages if stats.num_pages else 0.0
+        return ReplicaLoad(index, stats.num_running, stats.num_waiting, used)
+
+
 def _simulate(
     config_path: str | None,
     config_overrides: Sequence[str],
@@ -144,34 +158,81 @@ def _simulate(
     config = load_config(
         config_path, registry, overrides=["executor.plugin=simulated", *config_overrides]
     )
+    num_replicas = config["router"].settings.data_parallel_size
     order = sorted(range(len(workload)), key=lambda index: workload[index].arrival_time)
     pending = deque(order)
     start = workload[order[0]].arrival_time if order else 0.0
-    clock = VirtualClock(start)
-    engine = EngineCore(config, registry, clock=clock)
-    executor = engine.executor
-    if not type(executor).models_time:
-        engine.executor.shutdown()
-        raise ConfigError(
-            f"executor {config.plugin('executor')!r} does not model time (models_time); "
-            'a simulation needs one that does, e.g. [executor] plugin = "simulated"'
+    replicas: list[_Replica] = []
+    try:
+        for _ in range(num_replicas):
+            replica_config = load_config(
+                config_path,
+                registry,
+                overrides=[
+                    "executor.plugin=simulated",
+                    *config_overrides,
+                    "router.data_parallel_size=1",
+                ],
+            )
+            clock = VirtualClock(start)
+            replicas.append(_Replica(EngineCore(replica_config, registry, clock=clock), clock))
+            if not type(replicas[-1].engine.executor).models_time:
+                raise ConfigError(
+                    f"executor {config.plugin('executor')!r} does not model time (models_time); "
+                    'a simulation needs one that does, e.g. [executor] plugin = "simulated"'
+                )
+        first = replicas[0].engine
+        router_component = registry.get("router", config.plugin("router") or "round-robin")
+        router: Router = router_component.factory(
+            RouterParams(num_replicas, first.batch.page_size, first.kv.stats().num_pages),
+            config["router"].options,
         )
+        return _run(workload, pending, start, replicas, router, on_finished, started)
+    finally:
+        for replica in replicas:
+            replica.engine.executor.shutdown()
+
+
+def _run(
+    workload: Sequence[WorkloadRequest],
+    pending: deque[int],
+    start: float,
+    replicas: list[_Replica],
+    router: Router,
+    on_finished: Callable[[], object] | None,
+    started: float,
+) -> SimulationResult:
+    """The event loop: the next arrival joins (through the router) when no busy replica's
+    clock is before it; otherwise the replica whose clock is earliest steps."""
     times = TokenTimes()
     records: dict[int, RequestRecord] = {}
     errors: list[str] = []
     refused: list[int] = []
-    while pending or engine.has_unfinished():
-        while pending and workload[pending[0]].arrival_time <= clock():
+    placed: dict[int, int] = {}
+    while pending or any(r.engine.has_unfinished() for r in replicas):
+        busy = [r for r in replicas if r.engine.has_unfinished()]
+        earliest = min(busy, key=lambda r: r.clock()) if busy else None
+        arrival = workload[pending[0]].arrival_time if pending else math.inf
+        if earliest is None or arrival <= earliest.clock():
             index = pending.popleft()
-            if not submit(engine, str(index), workload[index], errors):
+            request = workload[index]
+            loads = [replica.load(i) for i, replica in enumerate(replicas)]
+            target = router.route(str(index), request.prompt_token_ids, loads)
+            if not 0 <= target < len(replicas):
+                raise RuntimeError(f"router returned replica {target} of {len(replicas)}")
+            replica = replicas[target]
+            if not replica.engine.has_unfinished():
+                replica.clock.advance_to(request.arrival_time)
+            if submit(replica.engine, str(index), request, errors):
+                placed[index] = target
+            else:
                 refused.append(index)
-        if not engine.has_unfinished():
-            if pending:
-                clock.advance_to(workload[pending[0]].arrival_time)
+                router.finished(str(index), target)
             continue
-        steps_before, busy_before = engine.num_steps, executor.modelled_time_s()
+        engine, clock = earliest.engine, earliest.clock
+        steps_before, busy_before = engine.num_steps, engine.executor.modelled_time_s()
         updates = engine.step()
-        clock.advance(executor.modelled_time_s() - busy_before)
+        clock.advance(engine.executor.modelled_time_s() - busy_before)
         if not updates and engine.num_steps == steps_before:
             if not pending:
                 raise RuntimeError("the engine made no progress with no arrivals left")
@@ -192,16 +253,17 @@ def _simulate(
                     itl_s=gaps,
                     extra=request.extra,
                 )
+                router.finished(str(index), placed.pop(index))
                 if on_finished is not None:
                     on_finished()
-    stats = engine.stats()
-    engine.executor.shutdown()
+    stats = [replica.engine.stats() for replica in replicas]
+    queries = sum(s.prefix_cache_queries for s in stats)
     return SimulationResult(
         requests=tuple(records[index] for index in sorted(records)),
-        duration_s=clock() - start,
-        num_steps=stats.num_steps,
-        num_preemptions=stats.num_preemptions,
-        prefix_hit_rate=stats.prefix_hit_rate,
+        duration_s=max(replica.clock() for replica in replicas) - start,
+        num_steps=sum(s.num_steps for s in stats),
+        num_preemptions=sum(s.num_preemptions for s in stats),
+        prefix_hit_rate=sum(s.prefix_cache_hits for s in stats) / queries if queries else 0.0,
         wall_s=time.perf_counter() - started,
         errors=tuple(errors),
         refused=tuple(refused),

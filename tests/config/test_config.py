@@ -43,6 +43,7 @@ def test_no_file_means_defaults(registry: Registry) -> None:
         "sampler": "standard",
         "grammar": "xgrammar",
         "detokenizer": "incremental",
+        "router": "round-robin",
     }
 
 

@@ -30,6 +30,7 @@ from brigade.testing.conformance import (
     check_kv_manager,
     check_logits_processor,
     check_model_architecture,
+    check_router,
     check_sampler,
     check_scheduler,
 )
@@ -134,6 +135,11 @@ def test_scheduler_conforms(component: Component) -> None:
         paged.factory,
         build_options(paged.options_type, {}, "paged"),
     )
+
+
+@pytest.mark.parametrize("component", components("router"), ids=ids)
+def test_router_conforms(component: Component) -> None:
+    check_router(component.factory, build_options(component.options_type, {}, component.name))
 
 
 @pytest.mark.parametrize("component", components("sampler"), ids=ids)

@@ -1,0 +1,1 @@
+"""Built-in routers over data-parallel replicas (``[router] plugin``)."""
