@@ -160,7 +160,7 @@ def report(title: str, wall_ms: float, prof: Any, repeats: int, top: int) -> Non
 
 def mixed_by_kind(llm: LLM, seed: int) -> None:
     """peers.py's mixed workload through ``LLM.generate``, the executor's time by step kind."""
-    from peers import make_workload  # benchmarks/ is this script's directory
+    from peer_setup import make_workload  # benchmarks/ is this script's directory
 
     workload = make_workload("mixed", llm.engine.vocab_size, seed, 1.0, None, 0)
     batch = workload["runs"][0]
