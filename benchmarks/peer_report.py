@@ -41,19 +41,14 @@ def cpu_summary() -> str:
 
 
 def git_revision() -> str:
+    def git(*arguments: str) -> str:
+        return subprocess.run(
+            ["git", "-C", str(REPO), *arguments], capture_output=True, text=True, timeout=30
+        ).stdout.strip()
+
     try:
-        head = subprocess.run(
-            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        ).stdout.strip()
+        head = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
     return head + (" + uncommitted changes" if dirty else "")
