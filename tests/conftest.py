@@ -87,3 +87,16 @@ def save_model(model: Any, directory: Path, storage_dtype: torch.dtype | None = 
             param.copy_(param.to(storage_dtype))
     # A copy, so the reference keeps its float32 buffers (RoPE inv_freq) unrounded.
     copy.deepcopy(model).to(storage_dtype).save_pretrained(directory)
+
+
+@pytest.fixture(scope="session")
+def model_70b(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory with only Llama-3-70B's config.json (no weights, no tokenizer), for the
+    simulated executor."""
+    import json
+
+    from simulated_helpers import LLAMA_3_70B
+
+    directory = tmp_path_factory.mktemp("llama-3-70b")
+    (directory / "config.json").write_text(json.dumps(LLAMA_3_70B), encoding="utf-8")
+    return directory

@@ -4,14 +4,13 @@ replaces it with its virtual clock (so time-based policies are simulated in simu
 from __future__ import annotations
 
 import itertools
-import json
 import re
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from simulated_helpers import LLAMA_3_70B, settings
+from simulated_helpers import settings
 
 from brigade.bench.simulate import VirtualClock, run_simulation
 from brigade.bench.workloads import Lengths, WorkloadRequest, synthetic
@@ -34,13 +33,6 @@ from brigade.testing.conformance import build_scheduler, check_scheduler
 from brigade.testing.requests import make_request
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def model_70b(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("llama-3-70b-clock")
-    (directory / "config.json").write_text(json.dumps(LLAMA_3_70B), encoding="utf-8")
-    return directory
 
 
 class RecordingPolicy(FcfsPolicy):

@@ -18,14 +18,6 @@ from brigade.plugins.executors.simulated import GPUS, CostModel, ModelShape, Ste
 SHAPE_70B = ModelShape.from_hf_config(LLAMA_3_70B)
 
 
-@pytest.fixture(scope="module")
-def model_70b(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A directory with only Llama-3-70B's config.json: no weights, no tokenizer."""
-    directory = tmp_path_factory.mktemp("llama-3-70b")
-    (directory / "config.json").write_text(json.dumps(LLAMA_3_70B), encoding="utf-8")
-    return directory
-
-
 # -- the cost model ---------------------------------------------------------------------------
 
 

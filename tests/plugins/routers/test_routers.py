@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -71,13 +70,6 @@ def test_data_parallel_replicas_run_only_under_the_simulator() -> None:
     config = load_config(None, registry, overrides=["router.data_parallel_size=2"])
     with pytest.raises(ConfigError, match="data_parallel_size = 2 runs only under the simulator"):
         EngineCore(config, registry)
-
-
-@pytest.fixture(scope="module")
-def model_70b(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("llama-3-70b")
-    (directory / "config.json").write_text(json.dumps(LLAMA_3_70B), encoding="utf-8")
-    return directory
 
 
 def test_cache_aware_routing_beats_round_robin_on_shared_prefixes(model_70b: Path) -> None:
