@@ -162,18 +162,14 @@ def _simulate(
     order = sorted(range(len(workload)), key=lambda index: workload[index].arrival_time)
     pending = deque(order)
     start = workload[order[0]].arrival_time if order else 0.0
+    replica_config = load_config(
+        config_path,
+        registry,
+        overrides=["executor.plugin=simulated", *config_overrides, "router.data_parallel_size=1"],
+    )
     replicas: list[_Replica] = []
     try:
         for _ in range(num_replicas):
-            replica_config = load_config(
-                config_path,
-                registry,
-                overrides=[
-                    "executor.plugin=simulated",
-                    *config_overrides,
-                    "router.data_parallel_size=1",
-                ],
-            )
             clock = VirtualClock(start)
             replicas.append(_Replica(EngineCore(replica_config, registry, clock=clock), clock))
             if not type(replicas[-1].engine.executor).models_time:

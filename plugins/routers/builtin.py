@@ -2,21 +2,21 @@
 
 ``cache-aware`` places a request on the replica most likely to hold its prompt's first pages,
 bounded by load, as SGLang's router does: it remembers, per replica, the page-aligned prompt
-prefixes it routed there (a chain digest per full page, least recently used dropped beyond
-the replica's page count), so it needs nothing from the replicas but their load. When the
-loads drift apart by more than ``balance_abs_threshold`` requests and ``balance_rel_threshold``
-times, or no replica holds at least ``cache_threshold`` of the prompt, it picks the least
-loaded replica instead.
+prefixes it routed there (the paged KV manager's chain digest per full page, least recently used
+dropped beyond the replica's page count), so it needs nothing from the replicas but their load.
+When the loads drift apart by more than ``balance_abs_threshold`` requests and
+``balance_rel_threshold`` times, or no replica holds at least ``cache_threshold`` of the prompt,
+it picks the least loaded replica instead.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import hashlib
 from collections.abc import Sequence
 
 from brigade.interfaces import ReplicaLoad, Router, RouterParams, option
+from brigade.plugins.kv.paged import ROOT_PAGE_DIGEST, hash_page
 
 __all__ = [
     "CacheAwareOptions",
@@ -121,24 +121,21 @@ class CacheAwareRouter(Router):
             and heaviest > options.balance_rel_threshold * lightest
         ):
             return least_loaded(replicas)
-        best = max(
-            replicas,
-            key=lambda r: (self._matched_pages(r.index, digests), -r.load, -r.index),
-        )
-        matched = self._matched_pages(best.index, digests) * self.params.page_size
-        if length and matched >= options.cache_threshold * length and matched > 0:
+        matched = {r.index: self._matched_pages(r.index, digests) for r in replicas}
+        best = max(replicas, key=lambda r: (matched[r.index], -r.load, -r.index))
+        tokens = matched[best.index] * self.params.page_size
+        if tokens and tokens >= options.cache_threshold * length:
             return best.index
         return least_loaded(replicas)
 
     def _digests(self, tokens: Sequence[int]) -> list[bytes]:
-        """A chain digest per full page: page i's covers tokens [0, (i + 1) * page_size)."""
+        """The paged KV manager's chain digest per full page of ``tokens``."""
         page = self.params.page_size
         digests: list[bytes] = []
-        previous = b""
+        parent = ROOT_PAGE_DIGEST
         for start in range(0, len(tokens) - page + 1, page):
-            chunk = ",".join(map(str, tokens[start : start + page])).encode()
-            previous = hashlib.blake2b(previous + chunk, digest_size=16).digest()
-            digests.append(previous)
+            parent = hash_page(parent, tokens[start : start + page])
+            digests.append(parent)
         return digests
 
     def _matched_pages(self, replica: int, digests: list[bytes]) -> int:
