@@ -175,6 +175,8 @@ class SdpaBackend(AttentionBackend):
         self._native_prefill = not isinstance(options, SdpaOptions) or options.native_prefill
         self._kernel: Any = None
         """The C++ decode kernel once resolved (False: unavailable here)."""
+        self._prefill: Any = None
+        """(the C++ prefill kernel, the CPU's vector lanes) once resolved (False: unavailable)."""
 
     def _decode_kernel(self, device: torch.device) -> Any:
         if device.type != "cpu" or not self._native:
@@ -195,10 +197,13 @@ class SdpaBackend(AttentionBackend):
             return None
         from brigade.plugins.attention.cpu_kernels import cpu_ops, kernels_take_head_dim
 
-        ops = cpu_ops()
-        if ops is None or not kernels_take_head_dim(layer.head_dim, int(ops.vector_lanes())):
+        if self._prefill is None:
+            ops = cpu_ops()
+            self._prefill = (ops.paged_prefill, int(ops.vector_lanes())) if ops else False
+        if not self._prefill:
             return None
-        return ops.paged_prefill
+        kernel, lanes = self._prefill
+        return kernel if kernels_take_head_dim(layer.head_dim, lanes) else None
 
     def build_metadata(self, batch: ModelInput) -> SdpaMetadata:
         """Host maxima and per-chunk bounds from the ``*_cpu`` copies; no device sync."""
