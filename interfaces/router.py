@@ -50,9 +50,11 @@ class Router(abc.ABC):
     """Places each new request on one replica.
 
     Constructed as ``factory(router_params: RouterParams, options)``. ``route`` is called
-    once per request, in arrival order, from one thread; it must return an index of
-    ``replicas`` (which lists every replica, in index order) and must not keep the lists it
-    is given.
+    once per request, in arrival order, from one thread. ``replicas`` lists the replicas in
+    rotation, in index order: all ``num_replicas`` of them, or fewer once one has died (a
+    served replica that fails is taken out; its ``index`` is then missing from the list).
+    ``route`` returns the ``index`` of one of them (not a position in the list) and must not
+    keep the lists it is given.
     """
 
     @abc.abstractmethod

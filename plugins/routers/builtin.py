@@ -33,7 +33,8 @@ class RouterNoOptions:
 
 
 class RoundRobinRouter(Router):
-    """Replica 0, 1, ..., N - 1, 0, ... in arrival order, whatever their load."""
+    """Replica 0, 1, ..., N - 1, 0, ... in arrival order, whatever their load (skipping
+    replicas out of rotation)."""
 
     def __init__(self, params: RouterParams, options: RouterNoOptions) -> None:
         self.num_replicas = params.num_replicas
@@ -42,8 +43,9 @@ class RoundRobinRouter(Router):
     def route(
         self, request_id: str, prompt_token_ids: Sequence[int], replicas: Sequence[ReplicaLoad]
     ) -> int:
-        index = self._next % len(replicas)
-        self._next = index + 1
+        # The first replica in rotation at or after the turn's index, wrapping around.
+        index = min(replicas, key=lambda r: (r.index - self._next) % self.num_replicas).index
+        self._next = (index + 1) % self.num_replicas
         return index
 
 

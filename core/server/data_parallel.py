@@ -1,0 +1,236 @@
+"""Data parallel serving: several engine replicas behind the router station.
+
+``ReplicatedEngine`` looks to the HTTP handlers like one engine (the ``AsyncEngine``
+interface: ``generate``, ``abort``, ``check_capacity``, ``snapshot``, ``dead``...). Each new
+request goes to the replica the router picks from every live replica's load as of its latest
+step; the router hears when the request ends. A replica that dies is taken out of rotation:
+its in-flight requests end with its error, the others keep serving, and only when every
+replica has died does the whole engine count as dead (``on_dead``), so the server exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+from brigade.admission import Admission
+from brigade.engine import EngineStats, StepUpdate
+from brigade.interfaces import EMPTY_EXTRA, ExtraValue, ReplicaLoad, Router, SamplingParams
+from brigade.server.errors import EngineOverloadedError, EngineUnavailableError
+
+__all__ = ["EngineReplica", "ReplicatedEngine", "combined_stats"]
+
+logger = logging.getLogger(__name__)
+
+
+class EngineReplica(Protocol):
+    """What the front end needs of one engine (``AsyncEngine`` in-process, or a client of
+    an engine process)."""
+
+    dead: str | None
+    snapshot: EngineStats
+    on_dead: Callable[[str], None] | None
+
+    @property
+    def num_unstarted(self) -> int: ...
+
+    @property
+    def num_in_flight(self) -> int: ...
+
+    def check_capacity(self, num_requests: int = 1) -> None: ...
+
+    def generate(
+        self,
+        request_id: str,
+        admission: Admission,
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        check_queue: bool = True,
+        extra: Mapping[str, ExtraValue] = EMPTY_EXTRA,
+    ) -> AsyncGenerator[StepUpdate, None]: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def abort_all(self) -> None: ...
+
+    def shutdown(self, timeout: float = 5.0) -> None: ...
+
+
+class ReplicatedEngine:
+    """N engine replicas that answer as one; the router places each request.
+
+    ``replicas[i]`` is replica ``i`` (the router's ``ReplicaLoad.index``). ``engine`` is the
+    first replica's engine where replicas run in this process (what the handlers read of the
+    model: vocabulary, limits, sampling defaults; every replica serves the same config).
+    """
+
+    def __init__(
+        self,
+        replicas: Sequence[EngineReplica],
+        router: Router,
+        *,
+        on_dead: Callable[[str], None] | None = None,
+    ) -> None:
+        if not replicas:
+            raise ValueError("a replicated engine needs at least one replica")
+        self.replicas = list(replicas)
+        self.router = router
+        self.on_dead = on_dead
+        self.engine: Any = getattr(replicas[0], "engine", None)
+        self._placed: dict[str, int] = {}
+        """Request id -> the replica it runs on, from routing to its end."""
+        self._deaths: dict[int, str] = {}
+        self.dead: str | None = None
+        for index, replica in enumerate(self.replicas):
+            replica.on_dead = self._replica_died_callback(index)
+            if replica.dead is not None:
+                self._replica_died(index, replica.dead)
+
+    # -- what the handlers call ------------------------------------------------------------
+
+    @property
+    def snapshot(self) -> EngineStats:
+        """Every live replica's counters added up (a dead one's requests are gone)."""
+        return combined_stats([r.snapshot for r in self._live()])
+
+    @property
+    def num_unstarted(self) -> int:
+        return sum(r.num_unstarted for r in self.replicas)
+
+    @property
+    def num_in_flight(self) -> int:
+        return sum(r.num_in_flight for r in self.replicas)
+
+    @property
+    def num_live(self) -> int:
+        """Replicas in rotation."""
+        return len(self.replicas) - len(self._deaths)
+
+    def check_capacity(self, num_requests: int = 1) -> None:
+        """Raise unless some live replica can queue ``num_requests`` more now."""
+        if self.dead is not None:
+            raise EngineUnavailableError(
+                f"every engine replica has failed ({self.dead}); this server is restarting"
+            )
+        error: EngineOverloadedError | None = None
+        for replica in self._live():
+            try:
+                replica.check_capacity(num_requests)
+            except EngineOverloadedError as exc:
+                error = exc
+            else:
+                return
+        if error is not None:
+            raise error
+
+    async def generate(
+        self,
+        request_id: str,
+        admission: Admission,
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        check_queue: bool = True,
+        extra: Mapping[str, ExtraValue] = EMPTY_EXTRA,
+    ) -> AsyncGenerator[StepUpdate, None]:
+        """Route the request, then stream it from its replica (``AsyncEngine.generate``)."""
+        self.check_capacity(1 if check_queue else 0)
+        index = self._route(request_id, admission.prompt_token_ids)
+        self._placed[request_id] = index
+        try:
+            stream = self.replicas[index].generate(
+                request_id,
+                admission,
+                params,
+                priority=priority,
+                check_queue=check_queue,
+                extra=extra,
+            )
+            async with contextlib.aclosing(stream):  # leaving early aborts it there, now
+                async for update in stream:
+                    yield update
+        finally:
+            self._placed.pop(request_id, None)
+            self.router.finished(request_id, index)
+
+    def abort(self, request_id: str) -> None:
+        index = self._placed.get(request_id)
+        if index is not None:
+            self.replicas[index].abort(request_id)
+
+    def abort_all(self) -> None:
+        for replica in self._live():
+            replica.abort_all()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        for replica in self.replicas:
+            replica.shutdown(timeout)
+
+    # -- routing and failures -----------------------------------------------------------
+
+    def _live(self) -> list[EngineReplica]:
+        return [r for i, r in enumerate(self.replicas) if i not in self._deaths]
+
+    def _route(self, request_id: str, prompt_token_ids: Sequence[int]) -> int:
+        loads = []
+        for index, replica in enumerate(self.replicas):
+            if index in self._deaths:
+                continue
+            stats = replica.snapshot
+            used = 1.0 - stats.num_free_pages / stats.num_pages if stats.num_pages else 0.0
+            # Requests sent since its latest step are not in the snapshot yet: count them as
+            # waiting, or a burst would all go to the replica that looked idle.
+            waiting = max(stats.num_waiting, replica.num_unstarted)
+            loads.append(ReplicaLoad(index, stats.num_running, waiting, used))
+        if not loads:
+            raise EngineUnavailableError("every engine replica has failed")
+        chosen = self.router.route(request_id, prompt_token_ids, loads)
+        if chosen not in {load.index for load in loads}:
+            raise RuntimeError(
+                f"the router {type(self.router).__name__} chose replica {chosen!r}, which is "
+                f"not one of the live replicas {[load.index for load in loads]}"
+            )
+        return chosen
+
+    def _replica_died_callback(self, index: int) -> Callable[[str], None]:
+        return lambda reason: self._replica_died(index, reason)
+
+    def _replica_died(self, index: int, reason: str) -> None:
+        """Called on the dying replica's thread: take it out of rotation (its own streams
+        already got its error); the last one to die takes the whole engine down."""
+        if index in self._deaths:
+            return
+        self._deaths[index] = reason
+        logger.error(
+            "engine replica %d failed (%s); %d of %d replicas left in rotation",
+            index,
+            reason,
+            self.num_live,
+            len(self.replicas),
+        )
+        if self.num_live == 0:
+            self.dead = f"replica {index}: {reason}"
+            if self.on_dead is not None:
+                self.on_dead(self.dead)
+
+
+def combined_stats(snapshots: Sequence[EngineStats]) -> EngineStats:
+    """Counters of several replicas as one engine's (queue time: weighted by steps)."""
+    if not snapshots:
+        return EngineStats(0, 0, 0, 0, 0, 0, 0, 0, 0.0)
+    total = {
+        field.name: sum(getattr(s, field.name) for s in snapshots)
+        for field in dataclasses.fields(EngineStats)
+        if field.name != "mean_queue_time_s"
+    }
+    steps = sum(s.num_steps for s in snapshots)
+    queue_time = (
+        sum(s.mean_queue_time_s * s.num_steps for s in snapshots) / steps
+        if steps
+        else sum(s.mean_queue_time_s for s in snapshots) / len(snapshots)
+    )
+    return EngineStats(**total, mean_queue_time_s=queue_time)
