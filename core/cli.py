@@ -133,6 +133,15 @@ def _build_parser() -> argparse.ArgumentParser:
         default=[],
         help="a stop string, left out of the text (repeatable)",
     )
+    generate.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=None,
+        metavar="N",
+        help="engine replicas, each in its own process with 1/N of the cores; the router "
+        "station places the prompts [router.data_parallel_size]",
+    )
     generate.set_defaults(handler=_cmd_generate)
 
     bench = commands.add_parser(
@@ -355,10 +364,18 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise BrigadeError(str(exc)) from exc
+    overrides = list(args.set)
+    if args.data_parallel_size is not None:
+        if args.data_parallel_size < 1:
+            raise BrigadeError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+        overrides.append(f"router.data_parallel_size={args.data_parallel_size}")
+    config, _ = _load(args.config, overrides)
+    if config["router"].settings.data_parallel_size > 1:
+        return _generate_on_replicas(args, overrides, prompts, params)
     from brigade.startup import startup_banner
 
     started = time.perf_counter()
-    llm = LLM(args.config, overrides=args.set)
+    llm = LLM(args.config, overrides=overrides)
     loaded = time.perf_counter()
     print(startup_banner(llm.engine), file=sys.stderr)
     if args.chat:
@@ -380,6 +397,43 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def _generate_on_replicas(
+    args: argparse.Namespace, overrides: list[str], prompts: list[str], params: SamplingParams
+) -> int:
+    from brigade.offline_replicas import generate_on_replicas
+
+    started = time.perf_counter()
+    results = generate_on_replicas(args.config, overrides, prompts, params, chat=args.chat)
+    done = time.perf_counter()
+    answers: dict[int, str] = {}
+    failed = [r for r in results if r.outputs is None]
+    for result in results:
+        for index, output in zip(result.indices, result.outputs or [], strict=False):
+            answers[index] = output.outputs[0].text
+    for index, prompt in enumerate(prompts):
+        if index in answers:
+            print(f"{prompt!r} -> {answers[index]!r}")
+        else:
+            print(f"{prompt!r} -> (failed: its replica failed)")
+    generated = sum(
+        len(o.token_ids) for r in results for output in r.outputs or [] for o in output.outputs
+    )
+    shares = ", ".join(
+        f"replica {r.replica}: {len(r.indices)} prompts, {r.num_steps} steps, prefix cache hits "
+        f"{r.prefix_cache_hits}/{r.prefix_cache_queries}"
+        for r in results
+        if r.outputs is not None
+    )
+    print(
+        f"[{len(results)} replicas: {generated} tokens in {done - started:.2f}s including "
+        f"loading; {shares}]",
+        file=sys.stderr,
+    )
+    for result in failed:
+        print(f"brigade: error: replica {result.replica} failed: {result.error}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:

@@ -119,9 +119,10 @@ class EngineCore:
         replicas = config["router"].settings.data_parallel_size
         if replicas > 1:
             raise ConfigError(
-                f"{config.source}: [router] data_parallel_size = {replicas} runs only under the "
-                'simulator so far (brigade bench with [executor] plugin = "simulated"); an '
-                "engine here is one replica: set it to 1"
+                f"{config.source}: [router] data_parallel_size = {replicas}: one engine (and "
+                "LLM) is one replica; brigade serve and brigade generate run the replicas, each "
+                'in its own process, and brigade bench with [executor] plugin = "simulated" '
+                "simulates them: set it to 1 here"
             )
         self.config = config
         self.clock = clock

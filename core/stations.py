@@ -145,9 +145,9 @@ class ServerSettings:
 class RouterSettings:
     data_parallel_size: int = option(
         1,
-        help="engine replicas, each with its own scheduler and KV cache, behind the router; "
-        "more than 1 runs under the simulator (brigade bench with the simulated executor) "
-        "for now",
+        help="engine replicas, each with its own scheduler and KV cache, behind the router: "
+        "brigade generate runs each in its own process; brigade bench simulates them with the "
+        "simulated executor",
         ge=1,
     )
 

@@ -65,10 +65,10 @@ def test_cache_aware_forgets_the_least_recently_routed_pages() -> None:
     assert router.matched_tokens(0, old) == 0
 
 
-def test_data_parallel_replicas_run_only_under_the_simulator() -> None:
+def test_one_engine_is_one_replica() -> None:
     registry = default_registry()
     config = load_config(None, registry, overrides=["router.data_parallel_size=2"])
-    with pytest.raises(ConfigError, match="data_parallel_size = 2 runs only under the simulator"):
+    with pytest.raises(ConfigError, match=r"data_parallel_size = 2: one engine .* is one replica"):
         EngineCore(config, registry)
 
 

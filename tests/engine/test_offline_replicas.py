@@ -1,0 +1,57 @@
+"""``brigade generate --data-parallel-size``: prompts placed by the router on replica
+processes, the answers those of one engine, in prompt order."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from brigade import LLM, SamplingParams
+from brigade.cli import main
+from brigade.config import load_config
+from brigade.offline_replicas import generate_on_replicas, place_prompts
+from brigade.registry import default_registry
+from tests.server_harness import tiny_model
+
+GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+HEADS = ("You are a terse assistant. Answer in one word. ", "Translate to French: ")
+PROMPTS = [head + tail for tail in ("cat", "dog", "bird") for head in HEADS]
+
+
+def test_cache_aware_placement_keeps_a_shared_head_on_one_replica() -> None:
+    registry = default_registry()
+    overrides = ["router.plugin=cache-aware", "router.data_parallel_size=2", "kv.page_size=8"]
+    config = load_config(None, registry, overrides=overrides)
+    placed = place_prompts(config, registry, PROMPTS, 2)
+    by_head = {
+        head: {placed[i] for i, p in enumerate(PROMPTS) if p.startswith(head)} for head in HEADS
+    }
+    assert all(len(replicas) == 1 for replicas in by_head.values()), by_head
+    assert set(placed) == {0, 1}, f"both heads went to one replica: {placed}"
+
+
+def test_replica_processes_answer_as_one_engine(tmp_path: Path) -> None:
+    model_dir = tiny_model(tmp_path)
+    settings = [f"model.path={model_dir}", "kv.page_size=8", "kv.num_pages=128"]
+    results = generate_on_replicas(
+        None,
+        [*settings, "router.data_parallel_size=2", "router.plugin=cache-aware"],
+        PROMPTS,
+        GREEDY,
+    )
+    assert sorted(r.replica for r in results) == [0, 1]
+    assert all(r.error is None for r in results), [r.error for r in results]
+    answers = {
+        i: o.outputs[0].token_ids
+        for r in results
+        for i, o in zip(r.indices, r.outputs or [], strict=True)
+    }
+    reference = LLM(overrides=settings).generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [answers[i] for i in range(len(PROMPTS))] == [o.outputs[0].token_ids for o in reference]
+    assert sorted(len(r.indices) for r in results) == [3, 3], "one head per replica"
+
+
+def test_a_bad_replica_count_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", "--prompt", "hi", "-dp", "0"]) != 0
+    assert "--data-parallel-size must be >= 1, got 0" in capsys.readouterr().err
