@@ -2,7 +2,9 @@
 
 The prompts are placed on N engine replicas by the router station (as the server places
 requests), each replica runs in its own process with its own engine and an equal share of the
-CPU threads, and the answers come back in prompt order. The router sees each prompt's UTF-8
+CPU threads, and the answers come back in prompt order. The replicas are local processes, or
+(``[executor] distributed_executor_backend = "ray"``) Ray actors placed by a placement group
+over the nodes of a Ray cluster. The router sees each prompt's UTF-8
 bytes in page-sized pieces (tokenizing in the parent would load a tokenizer for nothing): the
 same shared head still lands on the same replica. A replica that fails fails only its own
 prompts; the others' answers are kept.
@@ -19,11 +21,15 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from brigade.config import load_config
+from brigade.errors import BrigadeError
 from brigade.interfaces import ReplicaLoad, RouterParams, SamplingParams
 from brigade.output import RequestOutput
 from brigade.registry import default_registry
 
 __all__ = ["ReplicaResult", "generate_on_replicas", "place_prompts"]
+
+RAY_PLACEMENT_TIMEOUT_S = 120.0
+"""How long the replicas' placement group may wait for CPUs on the Ray cluster."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +45,8 @@ class ReplicaResult:
     num_steps: int = 0
     prefix_cache_hits: int = 0
     prefix_cache_queries: int = 0
+    node: str = ""
+    """Where it ran: ``local``, or the Ray node's id."""
 
 
 def place_prompts(
@@ -59,6 +67,15 @@ def place_prompts(
     return placed
 
 
+@dataclasses.dataclass(frozen=True)
+class _Job:
+    replica: int
+    indices: list[int]
+    overrides: list[str]
+    prompts: list[str]
+    threads: int
+
+
 def generate_on_replicas(
     config_path: str | None,
     overrides: Sequence[str],
@@ -66,53 +83,129 @@ def generate_on_replicas(
     params: SamplingParams,
     *,
     chat: bool = False,
+    backend: str = "mp",
 ) -> list[ReplicaResult]:
-    """Run ``prompts`` on ``[router] data_parallel_size`` replica processes; one result per
-    replica that got prompts."""
+    """Run ``prompts`` on ``[router] data_parallel_size`` replicas; one result per replica
+    that got prompts. ``backend``: ``mp`` (local processes) or ``ray`` (Ray actors in a
+    placement group, on the cluster ``RAY_ADDRESS`` names, else a local one)."""
     registry = default_registry()
     config = load_config(config_path, registry, overrides=overrides)
     num_replicas = config["router"].settings.data_parallel_size
     placed = place_prompts(config, registry, prompts, num_replicas)
     threads = _threads_per_replica(config, num_replicas)
-    context = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked torch pools
-    running: list[tuple[int, list[int], Any, Connection]] = []
+    jobs = []
     for replica in range(num_replicas):
         indices = [i for i, target in enumerate(placed) if target == replica]
         if not indices:
             continue
-        receive, send = context.Pipe(duplex=False)
         replica_overrides = [*overrides, "router.data_parallel_size=1"]
         if threads:
             replica_overrides.append(f"executor.num_threads={threads}")
+        share = [prompts[i] for i in indices]
+        jobs.append(_Job(replica, indices, replica_overrides, share, threads or 1))
+    run = _run_on_ray if backend == "ray" else _run_in_processes
+    messages = run(jobs, config_path, params, chat)
+    return [
+        ReplicaResult(
+            job.replica,
+            job.indices,
+            message.get("outputs"),
+            message.get("error"),
+            message.get("num_steps", 0),
+            message.get("prefix_cache_hits", 0),
+            message.get("prefix_cache_queries", 0),
+            message.get("node", ""),
+        )
+        for job, message in zip(jobs, messages, strict=True)
+    ]
+
+
+def _run_in_processes(
+    jobs: list[_Job], config_path: str | None, params: SamplingParams, chat: bool
+) -> list[dict[str, Any]]:
+    context = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked torch pools
+    running: list[tuple[Any, Connection]] = []
+    for job in jobs:
+        receive, send = context.Pipe(duplex=False)
         process = context.Process(
             target=_replica_main,
-            args=(send, config_path, replica_overrides, [prompts[i] for i in indices]),
+            args=(send, config_path, job.overrides, job.prompts),
             kwargs={"params": params, "chat": chat},
-            name=f"brigade-replica-{replica}",
+            name=f"brigade-replica-{job.replica}",
         )
         process.start()
         send.close()
-        running.append((replica, indices, process, receive))
-    results = []
-    for replica, indices, process, receive in running:
+        running.append((process, receive))
+    messages = []
+    for process, receive in running:
         try:
             message = receive.recv()
         except EOFError:  # it died before answering (killed, out of memory, a crash)
             process.join()
             message = {"error": f"the replica process exited with status {process.exitcode}"}
         process.join()
-        results.append(
-            ReplicaResult(
-                replica,
-                indices,
-                message.get("outputs"),
-                message.get("error"),
-                message.get("num_steps", 0),
-                message.get("prefix_cache_hits", 0),
-                message.get("prefix_cache_queries", 0),
+        messages.append(message)
+    return messages
+
+
+def _run_on_ray(
+    jobs: list[_Job], config_path: str | None, params: SamplingParams, chat: bool
+) -> list[dict[str, Any]]:
+    """One Ray actor per replica, each in its bundle of a placement group spread over the
+    cluster's nodes; every actor and the group are gone when this returns."""
+    try:
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    except ImportError:
+        raise BrigadeError("the ray backend needs Ray: pip install 'brigade-llm[ray]'") from None
+    started_here = not ray.is_initialized()
+    if started_here:
+        ray.init(log_to_driver=False)  # RAY_ADDRESS names a cluster; without it, a local one
+    group = placement_group([{"CPU": job.threads} for job in jobs], strategy="SPREAD")
+    actors: list[Any] = []
+    try:
+        ray.get(group.ready(), timeout=RAY_PLACEMENT_TIMEOUT_S)
+        actor_class = ray.remote(_ReplicaActor)
+        for bundle, job in enumerate(jobs):
+            strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle)
+            actors.append(
+                actor_class.options(num_cpus=job.threads, scheduling_strategy=strategy).remote()
             )
-        )
-    return results
+        refs = [
+            actor.run.remote(config_path, job.overrides, job.prompts, params, chat)
+            for actor, job in zip(actors, jobs, strict=True)
+        ]
+        messages = []
+        for ref in refs:
+            try:
+                messages.append(ray.get(ref))
+            except ray.exceptions.RayError as exc:  # the actor or its node died
+                messages.append({"error": f"the replica's Ray actor failed: {exc}"})
+        return messages
+    finally:
+        for actor in actors:
+            ray.kill(actor)
+        remove_placement_group(group)
+        if started_here:
+            ray.shutdown()
+
+
+class _ReplicaActor:
+    """A replica as a Ray actor (wrapped by ``ray.remote`` when the backend is used)."""
+
+    def run(
+        self,
+        config_path: str | None,
+        overrides: list[str],
+        prompts: list[str],
+        params: SamplingParams,
+        chat: bool,
+    ) -> dict[str, Any]:
+        import ray
+
+        message = _replica_work(config_path, overrides, prompts, params=params, chat=chat)
+        return {**message, "node": ray.get_runtime_context().get_node_id()}
 
 
 def _threads_per_replica(config: Any, num_replicas: int) -> int:
@@ -134,6 +227,22 @@ def _replica_main(
     chat: bool,
 ) -> None:
     try:
+        message = _replica_work(config_path, overrides, prompts, params=params, chat=chat)
+        send.send({**message, "node": "local"})
+    finally:
+        send.close()
+
+
+def _replica_work(
+    config_path: str | None,
+    overrides: list[str],
+    prompts: list[str],
+    *,
+    params: SamplingParams,
+    chat: bool,
+) -> dict[str, Any]:
+    """Load the engine, answer the prompts: the replica's message to the parent."""
+    try:
         from brigade.llm import LLM
 
         llm = LLM(config_path, overrides=overrides)
@@ -143,15 +252,11 @@ def _replica_main(
         else:
             outputs = llm.generate(prompts, params, use_tqdm=False)
         kv = llm.engine.kv.stats()
-        send.send(
-            {
-                "outputs": outputs,
-                "num_steps": llm.engine.num_steps,
-                "prefix_cache_hits": kv.prefix_cache_hits,
-                "prefix_cache_queries": kv.prefix_cache_queries,
-            }
-        )
-    except BaseException as exc:  # the parent reports it; its prompts fail alone
-        send.send({"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()})
-    finally:
-        send.close()
+        return {
+            "outputs": outputs,
+            "num_steps": llm.engine.num_steps,
+            "prefix_cache_hits": kv.prefix_cache_hits,
+            "prefix_cache_queries": kv.prefix_cache_queries,
+        }
+    except Exception as exc:  # the parent reports it; its prompts fail alone
+        return {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
