@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -44,6 +44,26 @@ class Checkpoint(abc.ABC):
         """Every weight under its Hugging Face name, floating ones as ``dtype`` on ``device``
         (quantized GGUF tensors dequantized), one tensor at a time; a progress bar on a
         terminal. Raises ``ModelLoadError`` naming the file for a corrupt or missing one."""
+
+    def weight_slices(
+        self,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        slice_of: Callable[[str], tuple[int, int, int] | None],
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """:meth:`weights`, each tensor narrowed to ``slice_of(name)`` = ``(dim, start,
+        length)`` (clipped at the tensor's end; None: the whole tensor), for a
+        tensor-parallel rank that holds a slice. This default reads every tensor whole and
+        narrows it (a GGUF file's quantized tensors are dequantized whole); a checkpoint that
+        can read a slice alone (safetensors) overrides it."""
+        for name, tensor in self.weights(dtype, device):
+            part = slice_of(name)
+            if part is None:
+                yield name, tensor
+                continue
+            dim, start, length = part
+            end = min(start + length, tensor.shape[dim])
+            yield name, tensor.narrow(dim, start, end - start).clone()
 
     @abc.abstractmethod
     def tokenizer(self) -> Any:

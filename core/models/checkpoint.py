@@ -22,7 +22,7 @@ import importlib.metadata
 import json
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -235,6 +235,17 @@ class HFCheckpoint(_FileCheckpoint):
             for name, tensor in iter_safetensors(self.directory, dtype, device):
                 bar.update(tensor.numel() * tensor.element_size())
                 yield name, tensor
+
+    def weight_slices(
+        self,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        slice_of: Callable[[str], tuple[int, int, int] | None],
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Only each tensor's slice is read from the safetensors files."""
+        from brigade.models.loader import iter_safetensors
+
+        yield from iter_safetensors(self.directory, dtype, device, slice_of)
 
     def _tokenizer_spec(self) -> TokenizerSpec | None:
         """None when the directory has no tokenizer files at all (a config-only directory,
