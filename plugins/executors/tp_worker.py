@@ -1,0 +1,149 @@
+"""Starting a tensor-parallel group from rank 0, and the loop each other rank runs.
+
+A rank other than 0 is a :class:`~brigade.plugins.executors.torch_executor.TorchExecutor`
+built for its rank (its shard of the weights, its KV heads' pool) that calls what rank 0
+sends (see ``brigade.plugins.executors.tp_ranks``) until told to stop or until rank 0 is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import pickle
+import traceback
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from brigade.interfaces import ConfigError, ExecutorParams
+from brigade.plugins.executors.tp_ranks import (
+    COLLECTIVE_TIMEOUT,
+    ProcessLauncher,
+    RankGroup,
+    RankLauncher,
+    RankSpec,
+    join_group,
+)
+from brigade.plugins.models.parallel import KEY, TensorParallel
+
+if TYPE_CHECKING:
+    from brigade.plugins.executors.torch_executor import TorchExecutorOptions
+
+__all__ = ["rank_device", "run_rank", "start_ranks"]
+
+_COMMANDS = frozenset(
+    {"initialize_kv_cache", "execute", "execute_with_hidden_states", "copy_pages"}
+)
+
+
+def rank_device(device: torch.device, rank: int, size: int) -> torch.device:
+    """The device of ``rank``: the CPU for all, or one GPU each from rank 0's index on."""
+    if device.type != "cuda":
+        return device
+    first = device.index or 0
+    if first + size > torch.cuda.device_count():
+        raise ConfigError(
+            f"{KEY} = {size} needs {size} CUDA devices from cuda:{first} on; "
+            f"{torch.cuda.device_count()} visible (lower {KEY} or set [executor] device)"
+        )
+    return torch.device("cuda", first + rank)
+
+
+def start_ranks(
+    params: ExecutorParams,
+    options: TorchExecutorOptions,
+    device: torch.device,
+    size: int,
+    launcher: RankLauncher | None = None,
+) -> tuple[RankGroup, TensorParallel]:
+    """Start ranks 1..size-1 and join their process group as rank 0; returns once every rank
+    has joined (they load their shards meanwhile: wait for ``"ready"``)."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    # Port 0: the store takes a free port, which the ranks are told.
+    store = dist.TCPStore(
+        "127.0.0.1", 0, size, is_master=True, wait_for_workers=False, timeout=COLLECTIVE_TIMEOUT
+    )
+    fields = {
+        field.name: getattr(params, field.name)
+        for field in dataclasses.fields(params)
+        if field.name != "checkpoint"
+    }
+    specs = [
+        RankSpec(
+            rank,
+            size,
+            store.port,
+            backend,
+            fields,
+            params.checkpoint.path,
+            dataclasses.replace(options, device=str(rank_device(device, rank, size))),
+        )
+        for rank in range(1, size)
+    ]
+    group = RankGroup(launcher or ProcessLauncher(), size)
+    group.launcher.start(specs)
+    try:
+        group.wait("hello")
+        process_group = join_group(backend, store, 0, size)
+    except BaseException:
+        group.stop()
+        raise
+    group.store = store  # the ranks' rendezvous lives as long as the group
+    return group, TensorParallel(0, size, process_group)
+
+
+def run_rank(spec: RankSpec, connection: Connection) -> None:
+    """A rank's process: join the group, build the shard, then call what rank 0 sends."""
+
+    def reply(kind: str, detail: Any = None) -> None:
+        connection.send_bytes(pickle.dumps((kind, detail)))
+
+    try:
+        reply("hello")
+        if spec.backend == "nccl":
+            torch.cuda.set_device(torch.device(spec.options.device))
+        store = dist.TCPStore(
+            "127.0.0.1",
+            spec.store_port,
+            spec.world_size,
+            is_master=False,
+            timeout=COLLECTIVE_TIMEOUT,
+        )
+        tp = TensorParallel(
+            spec.rank, spec.world_size, join_group(spec.backend, store, spec.rank, spec.world_size)
+        )
+        executor = _build(spec, tp)
+        reply("ready")
+        while True:
+            try:
+                name, args = pickle.loads(connection.recv_bytes())
+            except EOFError:  # rank 0's process is gone
+                break
+            if name == "shutdown":
+                break
+            if name not in _COMMANDS:
+                raise ValueError(f"unknown tensor-parallel command {name!r}")
+            getattr(executor, name)(*args)
+    except BaseException as error:  # report it, so rank 0 names the cause, not a broken socket
+        with contextlib.suppress(OSError):
+            reply("error", f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=6)}")
+        raise SystemExit(1) from error
+
+
+def _build(spec: RankSpec, tp: TensorParallel) -> Any:
+    from brigade.models.checkpoint import open_checkpoint
+    from brigade.plugins.executors.torch_executor import TorchExecutor
+
+    if spec.options.num_threads == 0 and spec.options.device == "cpu":
+        torch.set_num_threads(cpu_threads(spec.world_size))
+    params = ExecutorParams(**spec.params, checkpoint=open_checkpoint(spec.checkpoint_path))
+    return TorchExecutor(params, spec.options, rank=tp)
+
+
+def cpu_threads(world_size: int) -> int:
+    """Threads per rank when ``num_threads`` is 0: the cores shared out, so the ranks do not
+    fight over them."""
+    return max(1, (os.cpu_count() or 1) // world_size)

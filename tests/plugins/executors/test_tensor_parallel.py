@@ -1,0 +1,218 @@
+"""Tensor parallelism on the CPU (gloo): a model split over 2 ranks computes the logits the
+whole model computes, inside the engine too, and a dead rank stops the engine.
+
+Each TP=2 executor spawns a process (about 3 s), so the executors are built once per module.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import build_hf_model, save_model
+from engine_helpers import GREEDY, assert_same_greedy, make_llm, prompts, run
+from executor_helpers import ATOL, NUM_PAGES, PAGE_SIZE, ShuffledPages, token_sequences
+
+from brigade.errors import ConfigError, EngineDeadError
+from brigade.interfaces import Checkpoint, ExecutorParams
+from brigade.model_input import SeqChunk, build_model_input
+from brigade.models.checkpoint import open_checkpoint
+from brigade.models.create import create_model
+from brigade.plugins.attention.sdpa import SdpaBackend
+from brigade.plugins.executors.torch_executor import TorchExecutor, TorchExecutorOptions
+from brigade.testing.parity import assert_greedy_match, reference_greedy
+
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    # Biases on o_proj and down_proj (added once, after the sum), tied embeddings, and a
+    # vocabulary that does not split evenly (255 = 128 + 127 padded to 128).
+    "llama-bias-tied-odd-vocab": (
+        "llama",
+        {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True, "vocab_size": 255},
+    ),
+    "mistral-window": ("mistral", {"sliding_window": 6, "head_dim": 32}),
+    "qwen2": ("qwen2", {}),
+    # One KV head for 2 ranks: it is replicated on both.
+    "qwen3-one-kv-head": ("qwen3", {"head_dim": 32, "num_key_value_heads": 1}),
+}
+
+
+def make_executor(directory: Path, tp: int, num_pages: int = NUM_PAGES) -> TorchExecutor:
+    params = ExecutorParams(
+        model_path=str(directory),
+        dtype="float32",
+        attention=SdpaBackend(),
+        page_size=PAGE_SIZE,
+        kv_cache_dtype="auto",
+        max_model_len=0,
+        checkpoint=open_checkpoint(str(directory)),
+    )
+    executor = TorchExecutor(params, TorchExecutorOptions(device="cpu", tensor_parallel_size=tp))
+    executor.initialize_kv_cache(num_pages)
+    return executor
+
+
+@pytest.fixture(scope="module")
+def pairs(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Callable[[str], tuple[TorchExecutor, TorchExecutor]]]:
+    """``pairs(variant)``: (TP=1, TP=2) executors on one checkpoint, once per module."""
+    made: dict[str, tuple[TorchExecutor, TorchExecutor]] = {}
+
+    def get(name: str) -> tuple[TorchExecutor, TorchExecutor]:
+        if name not in made:
+            family, config = VARIANTS[name]
+            directory = tmp_path_factory.mktemp(name)
+            save_model(build_hf_model(family, **config), directory)
+            made[name] = (make_executor(directory, 1), make_executor(directory, 2))
+        return made[name]
+
+    yield get
+    for _, split in made.values():
+        split.shutdown()
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_two_ranks_compute_the_logits_of_the_whole_model(
+    name: str, pairs: Callable[[str], tuple[TorchExecutor, TorchExecutor]]
+) -> None:
+    whole, split = pairs(name)
+    layer, shard = whole.model.attention_layers[0], split.model.attention_layers[0]
+    assert shard.num_heads == layer.num_heads // 2
+    assert shard.num_kv_heads == max(1, layer.num_kv_heads // 2)  # the KV pool holds these
+    pages = ShuffledPages()
+    lengths = [9, 3]
+    tokens = token_sequences(lengths, seed=3)
+    tables = [pages.take(n + 2) for n in lengths]
+    prefill = build_model_input(
+        [SeqChunk(t, 0, table) for t, table in zip(tokens, tables, strict=True)], PAGE_SIZE
+    )
+    decode = build_model_input(
+        [SeqChunk([7], n, table) for n, table in zip(lengths, tables, strict=True)], PAGE_SIZE
+    )
+    for step in (prefill, decode):  # the decode step reads the KV the prefill wrote
+        expected, got = whole.execute(step), split.execute(step)
+        assert got.shape == expected.shape == (2, whole.model.vocab_size)
+        torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("config", "tp", "message"),
+    [
+        ({"num_attention_heads": 4, "num_key_value_heads": 4}, 3, "4 attention heads"),
+        (
+            {"num_attention_heads": 6, "num_key_value_heads": 3, "hidden_size": 48},
+            2,
+            "3 KV heads neither split evenly",
+        ),
+        ({"intermediate_size": 130}, 4, "intermediate_size 130"),
+    ],
+)
+def test_models_that_do_not_split_are_refused_before_any_rank_starts(
+    tmp_path: Path, config: dict[str, Any], tp: int, message: str
+) -> None:
+    save_model(build_hf_model("llama", **config), tmp_path)
+    running = _brigade_ranks()  # the module's executors
+    with pytest.raises(ConfigError, match=f"tensor_parallel_size = {tp}: .*{message}"):
+        make_executor(tmp_path, tp)
+    assert _brigade_ranks().keys() == running.keys()
+
+
+def test_compile_is_refused_with_tensor_parallelism(tmp_path: Path) -> None:
+    save_model(build_hf_model("llama"), tmp_path)
+    params = ExecutorParams(
+        model_path=str(tmp_path),
+        dtype="float32",
+        attention=SdpaBackend(),
+        page_size=PAGE_SIZE,
+        kv_cache_dtype="auto",
+        max_model_len=0,
+        checkpoint=open_checkpoint(str(tmp_path)),
+    )
+    options = TorchExecutorOptions(device="cpu", tensor_parallel_size=2, compile=True)
+    with pytest.raises(ConfigError, match="compile"):
+        TorchExecutor(params, options)
+
+
+def test_a_safetensors_rank_reads_only_its_slices(tmp_path: Path) -> None:
+    save_model(build_hf_model("llama", vocab_size=255), tmp_path)
+    checkpoint = open_checkpoint(str(tmp_path))
+    whole = dict(checkpoint.weights(torch.float32, "cpu"))
+    parts = {
+        "model.embed_tokens.weight": (0, 128, 128),  # clipped: rows 128..254
+        "model.layers.0.self_attn.o_proj.weight": (1, 32, 32),
+    }
+    sliced = dict(checkpoint.weight_slices(torch.float32, "cpu", parts.get))
+    assert torch.equal(
+        sliced["model.embed_tokens.weight"], whole["model.embed_tokens.weight"][128:]
+    )
+    assert torch.equal(
+        sliced["model.layers.0.self_attn.o_proj.weight"],
+        whole["model.layers.0.self_attn.o_proj.weight"][:, 32:64],
+    )
+    assert torch.equal(sliced["model.norm.weight"], whole["model.norm.weight"])
+    # What a GGUF rank does: read whole (dequantized), then narrow; the same slices.
+    default = dict(Checkpoint.weight_slices(checkpoint, torch.float32, "cpu", parts.get))
+    assert all(torch.equal(default[name], sliced[name]) for name in parts)
+
+
+@pytest.fixture(scope="module")
+def engine_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("engine")
+    return create_model(root / "llama", "llama", overrides={"num_hidden_layers": 2})
+
+
+def test_the_engine_at_two_ranks_generates_what_transformers_does(engine_model: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    running = _brigade_ranks()
+    # A 16-token budget mixes prefill chunks with decodes; 4-token pages cross boundaries.
+    llm = make_llm(
+        engine_model, "scheduler.max_num_batched_tokens=16", "executor.tensor_parallel_size=2"
+    )
+    try:
+        token_prompts = prompts([5, 23, 40, 2])
+        ours = run(llm, token_prompts)
+        whole = run(make_llm(engine_model, "scheduler.max_num_batched_tokens=16"), token_prompts)
+        assert_same_greedy(ours, whole, "tp=2 vs tp=1")
+        reference = AutoModelForCausalLM.from_pretrained(
+            engine_model, dtype=torch.float32, attn_implementation="eager"
+        ).eval()
+        for prompt, (tokens, _) in zip(token_prompts, ours, strict=True):
+            theirs, score = reference_greedy(reference, prompt, GREEDY.max_tokens)
+            assert_greedy_match(tokens, theirs, score, atol=1e-4, label="tp=2 vs transformers")
+        ranks = [r for pid, r in _brigade_ranks().items() if pid not in running]
+        assert len(ranks) == 1
+    finally:
+        llm.engine.executor.shutdown()
+    assert not any(rank.is_alive() for rank in ranks)
+    assert _brigade_ranks().keys() == running.keys()
+
+
+def test_a_dead_rank_kills_the_engine_instead_of_hanging(engine_model: Path) -> None:
+    running = _brigade_ranks()
+    llm = make_llm(engine_model, "executor.tensor_parallel_size=2")
+    try:
+        (rank,) = [r for pid, r in _brigade_ranks().items() if pid not in running]
+        assert rank.pid is not None
+        os.kill(rank.pid, signal.SIGKILL)
+        rank.join(10)
+        started = time.monotonic()
+        with pytest.raises(EngineDeadError, match=r"tensor-parallel rank 1 .* exited"):
+            llm.generate(prompts([6]), GREEDY)
+        assert time.monotonic() - started < 10
+    finally:
+        llm.engine.executor.shutdown()
+    assert _brigade_ranks().keys() == running.keys()
+
+
+def _brigade_ranks() -> dict[int | None, Any]:
+    """This process's live tensor-parallel rank processes, by pid."""
+    children = multiprocessing.active_children()
+    return {p.pid: p for p in children if p.name.startswith("brigade-tp-rank")}
