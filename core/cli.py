@@ -100,6 +100,7 @@ def _build_parser() -> argparse.ArgumentParser:
     generate = commands.add_parser("generate", help="generate offline (greedy by default)")
     generate.add_argument("--config", help="TOML config (omit for the defaults)")
     _add_override_flag(generate)
+    serve_args.add_alias_flags(generate, "--tensor-parallel-size")
     generate.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     generate.add_argument(
         "--chat",
@@ -358,7 +359,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from brigade.startup import startup_banner
 
     started = time.perf_counter()
-    llm = LLM(args.config, overrides=args.set)
+    llm = LLM(args.config, overrides=[*serve_args.alias_overrides(args), *args.set])
     loaded = time.perf_counter()
     print(startup_banner(llm.engine), file=sys.stderr)
     if args.chat:
