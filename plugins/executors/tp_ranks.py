@@ -10,8 +10,11 @@ per step.
 Commands travel over one pipe per rank as pickled bytes rather than as a broadcast in the
 process group: a rank waits for its next command with no collective pending, so an engine
 idle for hours hits no collective timeout, and a rank notices rank 0's exit (end of file)
-without one. :class:`ProcessLauncher` runs the ranks as spawned processes on this machine;
-a Ray backend would implement the same interface with actors.
+without one. Host tensors are pickled as numpy arrays (:func:`encode`): a decode step's
+``ModelInput`` then costs about 70 us to encode and decode instead of 700 us.
+
+:class:`ProcessLauncher` runs the ranks as spawned processes on this machine; a Ray backend
+would implement the same interface with actors.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import abc
 import contextlib
 import dataclasses
 import datetime
+import io
 import multiprocessing
 import pickle
 import time
@@ -27,6 +31,9 @@ from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, Any, cast
+
+import torch
+import torch.distributed as dist
 
 if TYPE_CHECKING:
     from brigade.plugins.executors.torch_executor import TorchExecutorOptions
@@ -37,6 +44,7 @@ __all__ = [
     "RankGroup",
     "RankLauncher",
     "RankSpec",
+    "encode",
     "join_group",
 ]
 
@@ -187,7 +195,7 @@ class RankGroup:
         if (dead := self.launcher.dead()) is not None:
             self._fail(dead)
         try:
-            self.launcher.send(pickle.dumps((name, args), protocol=pickle.HIGHEST_PROTOCOL))
+            self.launcher.send(encode((name, args)))
         except OSError as error:
             self._fail(self._reason(f"sending {name!r} failed: {error}"))
 
@@ -223,11 +231,29 @@ class RankGroup:
         raise RuntimeError(reason)
 
 
+class _Pickler(pickle.Pickler):
+    """Pickles host tensors of numpy's dtypes as numpy arrays: torch's own reduction of a
+    tensor costs ten times as much for the small tensors of a step."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if type(obj) is torch.Tensor and obj.device.type == "cpu" and obj.dtype in _NUMPY_DTYPES:
+            return torch.from_numpy, (obj.numpy(),)
+        return NotImplemented
+
+
+_NUMPY_DTYPES = frozenset({torch.int64, torch.int32, torch.float32, torch.bool})
+
+
+def encode(message: Any) -> bytes:
+    """``message`` pickled for a rank (``pickle.loads`` reads it)."""
+    buffer = io.BytesIO()
+    _Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(message)
+    return buffer.getvalue()
+
+
 def join_group(backend: str, store: Any, rank: int, size: int) -> Any:
     """This rank's ``ProcessGroup`` (blocks until every rank has joined). A group object of
     its own rather than torch.distributed's default group, which a process has only one of."""
-    import torch.distributed as dist
-
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = COLLECTIVE_TIMEOUT
