@@ -21,7 +21,9 @@ class Checkpoint(abc.ABC):
     Core opens one per engine and hands the same object to the executor
     (``ExecutorParams.checkpoint``: config and weights) and to samplers
     (``SamplerParams.checkpoint``: the tokenizer). Reading :attr:`config` or the tokenizer
-    never reads weights. Plugins only read a checkpoint; core owns it.
+    never reads weights. Plugins only read a checkpoint; core owns it. Core's checkpoints
+    pickle as the files to reopen, so an executor may hand one to another process (its
+    tensor-parallel ranks).
     """
 
     path: str

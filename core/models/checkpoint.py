@@ -221,6 +221,10 @@ class HFCheckpoint(_FileCheckpoint):
         self._generation: dict[str, Any] | None = None
         self._eos_token_ids: frozenset[int] | None = None
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickles as the files to reopen (a tensor-parallel rank's process gets it so)."""
+        return _reopen, (HFCheckpoint, (self.directory, self._chat_template), {"name": self.name})
+
     @property
     def config(self) -> Mapping[str, Any]:
         return self._config
@@ -320,6 +324,11 @@ class GGUFCheckpoint(_FileCheckpoint):
         self._config = gguf_hf_config(self.file)
         self._extra_sampling_defaults = dict(sampling_defaults or {})
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickles as the file to reopen (its mapping does not cross processes)."""
+        options = {"name": self.name, "sampling_defaults": self._extra_sampling_defaults}
+        return _reopen, (GGUFCheckpoint, (Path(self.path), self._chat_template), options)
+
     @property
     def config(self) -> Mapping[str, Any]:
         return self._config
@@ -362,6 +371,10 @@ class GGUFCheckpoint(_FileCheckpoint):
             counts[tensor.type_name] = counts.get(tensor.type_name, 0) + 1
         ordered = sorted(counts.items(), key=lambda item: -item[1])
         return "tensors " + ", ".join(f"{name} x{count}" for name, count in ordered)
+
+
+def _reopen(kind: type[Any], args: tuple[Any, ...], options: dict[str, Any]) -> Any:
+    return kind(*args, **options)
 
 
 def _sampling_fields(values: Mapping[str, Any], where: object) -> dict[str, float]:

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
+    from brigade.interfaces import ExecutorParams
     from brigade.plugins.executors.torch_executor import TorchExecutorOptions
 
 __all__ = [
@@ -65,10 +66,9 @@ class RankSpec:
     """Port of rank 0's rendezvous store on 127.0.0.1."""
     backend: str
     """``gloo`` (CPU) or ``nccl`` (CUDA)."""
-    params: dict[str, Any]
-    """Rank 0's ``ExecutorParams`` fields but ``checkpoint``: a rank reopens the model at
-    ``checkpoint_path`` (and reads only its slices)."""
-    checkpoint_path: str
+    params: ExecutorParams
+    """Rank 0's; the checkpoint pickles as the files to reopen (the rank reads only its
+    slices of the weights)."""
     options: TorchExecutorOptions
     """Rank 0's options with this rank's ``device``."""
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from brigade.interfaces import ConfigError, ExecutorParams
+from brigade.interfaces import ConfigError
 from brigade.plugins.executors.tp_ranks import (
     COLLECTIVE_TIMEOUT,
     ProcessLauncher,
@@ -30,6 +30,7 @@ from brigade.plugins.executors.tp_ranks import (
 from brigade.plugins.models.parallel import KEY, TensorParallel
 
 if TYPE_CHECKING:
+    from brigade.interfaces import ExecutorParams
     from brigade.plugins.executors.torch_executor import TorchExecutorOptions
 
 __all__ = ["rank_device", "run_rank", "start_ranks"]
@@ -66,19 +67,13 @@ def start_ranks(
     store = dist.TCPStore(
         "127.0.0.1", 0, size, is_master=True, wait_for_workers=False, timeout=COLLECTIVE_TIMEOUT
     )
-    fields = {
-        field.name: getattr(params, field.name)
-        for field in dataclasses.fields(params)
-        if field.name != "checkpoint"
-    }
     specs = [
         RankSpec(
             rank,
             size,
             store.port,
             backend,
-            fields,
-            params.checkpoint.path,
+            params,
             dataclasses.replace(options, device=str(rank_device(device, rank, size))),
         )
         for rank in range(1, size)
@@ -134,13 +129,11 @@ def run_rank(spec: RankSpec, connection: Connection) -> None:
 
 
 def _build(spec: RankSpec, tp: TensorParallel) -> Any:
-    from brigade.models.checkpoint import open_checkpoint
     from brigade.plugins.executors.torch_executor import TorchExecutor
 
     if spec.options.num_threads == 0 and spec.options.device == "cpu":
         torch.set_num_threads(cpu_threads(spec.world_size))
-    params = ExecutorParams(**spec.params, checkpoint=open_checkpoint(spec.checkpoint_path))
-    return TorchExecutor(params, spec.options, rank=tp)
+    return TorchExecutor(spec.params, spec.options, rank=tp)
 
 
 def cpu_threads(world_size: int) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import pickle
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -160,6 +161,15 @@ def test_a_safetensors_rank_reads_only_its_slices(tmp_path: Path) -> None:
     # What a GGUF rank does: read whole (dequantized), then narrow; the same slices.
     default = dict(Checkpoint.weight_slices(checkpoint, torch.float32, "cpu", parts.get))
     assert all(torch.equal(default[name], sliced[name]) for name in parts)
+
+
+def test_a_gguf_checkpoint_crosses_to_a_rank_by_reopening_its_file() -> None:
+    checkpoint = open_checkpoint("default")  # SmolLM2's GGUF: its mapping cannot be pickled
+    copy = pickle.loads(pickle.dumps(checkpoint))
+    assert copy is not checkpoint
+    assert (copy.path, copy.name, copy.format) == (checkpoint.path, checkpoint.name, "gguf")
+    assert copy.config == checkpoint.config
+    assert copy.sampling_defaults() == checkpoint.sampling_defaults()
 
 
 @pytest.fixture(scope="module")
