@@ -360,6 +360,7 @@ class TorchExecutor(Executor):
 
     def execute(self, batch: ModelInput) -> torch.Tensor:
         """Float32 logits [len(batch.logits_indices), vocab_size], on this executor's device."""
+        self.check_batch(batch)  # a batch that fails here must not reach the ranks
         with self._send("execute", batch):
             return self._run(batch)
 
@@ -374,6 +375,7 @@ class TorchExecutor(Executor):
         (eager forward: steps that pool are prefills, which graphs do not hold)."""
         if batch.hidden_indices is None:
             raise ValueError("execute_with_hidden_states needs a batch with hidden_indices")
+        self.check_batch(batch)
         with self._send("execute_with_hidden_states", batch):
             return self._run_with_hidden_states(batch)
 

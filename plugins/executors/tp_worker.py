@@ -79,9 +79,11 @@ def start_ranks(
         for rank in range(1, size)
     ]
     group = RankGroup(launcher or ProcessLauncher(), size)
-    group.launcher.start(specs)
     try:
+        group.launcher.start(specs)
         group.wait("hello")
+        if backend == "nccl":  # NCCL works on the current device: rank 0's is the first
+            torch.cuda.set_device(device)
         process_group = join_group(backend, store, 0, size)
     except BaseException:
         group.stop()

@@ -103,6 +103,17 @@ def test_two_ranks_compute_the_logits_of_the_whole_model(
         torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
 
 
+def test_a_batch_refused_on_rank_0_leaves_the_ranks_in_step(
+    pairs: Callable[[str], tuple[TorchExecutor, TorchExecutor]],
+) -> None:
+    whole, split = pairs("qwen2")
+    wrong_pages = build_model_input([SeqChunk([1, 2, 3], 0, [40])], PAGE_SIZE * 2)
+    with pytest.raises(ValueError, match="page_size"):
+        split.execute(wrong_pages)
+    step = build_model_input([SeqChunk([1, 2, 3], 0, [41])], PAGE_SIZE)
+    torch.testing.assert_close(split.execute(step), whole.execute(step), atol=ATOL, rtol=0)
+
+
 @pytest.mark.parametrize(
     ("config", "tp", "message"),
     [
