@@ -57,7 +57,7 @@ class Checkpoint(abc.ABC):
         length)`` (clipped at the tensor's end; None: the whole tensor), for a
         tensor-parallel rank that holds a slice. This default reads every tensor whole and
         narrows it (a GGUF file's quantized tensors are dequantized whole); a checkpoint that
-        can read a slice alone (safetensors) overrides it."""
+        can read a slice alone (safetensors) overrides it (API 2.3)."""
         for name, tensor in self.weights(dtype, device):
             part = slice_of(name)
             if part is None:
