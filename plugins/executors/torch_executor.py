@@ -16,7 +16,6 @@ import torch
 
 from brigade.interfaces import (
     CausalLM,
-    ConfigError,
     Executor,
     ExecutorParams,
     KVCacheSpec,
@@ -31,7 +30,6 @@ from brigade.model_input import SeqChunk, build_model_input
 from brigade.plugins.executors.cpu_gemm import CPU_LINEAR_MODES, use_cpu_linears
 from brigade.plugins.executors.cpu_memory import keep_freed_memory
 from brigade.plugins.models.decoder import CpuFusion
-from brigade.plugins.models.parallel import KEY as TP_KEY
 from brigade.plugins.models.parallel import TensorParallel
 
 if TYPE_CHECKING:
@@ -219,31 +217,21 @@ class TorchExecutor(Executor):
         """Swap pages in host memory (ids ``num_pages`` and up)."""
 
     def _build_shard(
-        self, architecture: ModelArchitecture, hf_config: dict[str, object], options: Any
+        self,
+        architecture: ModelArchitecture,
+        hf_config: dict[str, object],
+        options: TorchExecutorOptions,
     ) -> CausalLM:
         """This rank's shard; on rank 0, after starting the other ranks (which load theirs
         meanwhile) and before waiting for them to be ready."""
-        from brigade.plugins.executors.tp_worker import rank_device, start_ranks
-        from brigade.plugins.models.architectures import DecoderArchitecture
+        from brigade.plugins.executors.tp_worker import check_split, rank_device, start_ranks
 
         tp = self.tp
         if tp is None:  # pragma: no cover - the caller checked
             raise RuntimeError("not a tensor-parallel executor")
-        if not isinstance(architecture, DecoderArchitecture):
-            raise ConfigError(
-                f"{TP_KEY} = {tp.size}: architecture {type(architecture).__name__} cannot be "
-                "split; allowed: 1 (tensor parallelism covers the built-in decoder "
-                "architectures)"
-            )
-        if options.compile:
-            raise ConfigError(
-                f"{TP_KEY} = {tp.size} cannot be combined with [executor] compile = true; "
-                "set one of them back"
-            )
-        if tp.rank == 0:
+        architecture = check_split(architecture, hf_config, tp.size, compile=options.compile)
+        if tp.rank == 0:  # the checks above ran before any process starts
             self._device = rank_device(self.device, 0, tp.size)
-            # Checked before any process starts.
-            architecture.check_split(hf_config, tp.size)
             self.ranks, tp = start_ranks(self.params, options, self.device, tp.size)
             self.tp = tp
             # An executor dropped without shutdown() still stops its ranks.
@@ -266,7 +254,7 @@ class TorchExecutor(Executor):
         return self.ranks.guard()
 
     def shutdown_ranks(self) -> None:
-        """Stop the other ranks and leave the process group (rank 0; idempotent)."""
+        """Stop the other ranks (rank 0; idempotent)."""
         if self.ranks is not None:
             self.ranks.stop()
             self.ranks = None

@@ -12,6 +12,7 @@ import dataclasses
 import os
 import pickle
 import traceback
+from collections.abc import Mapping
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
@@ -30,14 +31,39 @@ from brigade.plugins.executors.tp_ranks import (
 from brigade.plugins.models.parallel import KEY, TensorParallel
 
 if TYPE_CHECKING:
-    from brigade.interfaces import ExecutorParams
-    from brigade.plugins.executors.torch_executor import TorchExecutorOptions
+    from brigade.interfaces import ExecutorParams, ModelArchitecture
+    from brigade.plugins.models.architectures import DecoderArchitecture
 
-__all__ = ["rank_device", "run_rank", "start_ranks"]
+__all__ = ["check_split", "cpu_threads", "rank_device", "run_rank", "start_ranks"]
 
 _COMMANDS = frozenset(
     {"initialize_kv_cache", "execute", "execute_with_hidden_states", "copy_pages"}
 )
+
+
+def check_split(
+    architecture: ModelArchitecture,
+    hf_config: Mapping[str, Any],
+    size: int,
+    *,
+    compile: bool,  # noqa: A002 - the option's name
+) -> DecoderArchitecture:
+    """``architecture`` if the model splits over ``size`` ranks (and ``compile`` is off),
+    else a ``ConfigError`` naming the key."""
+    from brigade.plugins.models.architectures import DecoderArchitecture
+
+    if not isinstance(architecture, DecoderArchitecture):
+        raise ConfigError(
+            f"{KEY} = {size}: architecture {type(architecture).__name__} cannot be split; "
+            "allowed: 1 (tensor parallelism covers the built-in decoder architectures)"
+        )
+    if compile:
+        raise ConfigError(
+            f"{KEY} = {size} cannot be combined with [executor] compile = true; set one of "
+            "them back"
+        )
+    architecture.check_split(hf_config, size)
+    return architecture
 
 
 def rank_device(device: torch.device, rank: int, size: int) -> torch.device:
@@ -55,13 +81,15 @@ def rank_device(device: torch.device, rank: int, size: int) -> torch.device:
 
 def start_ranks(
     params: ExecutorParams,
-    options: TorchExecutorOptions,
+    options: Any,
     device: torch.device,
     size: int,
     launcher: RankLauncher | None = None,
 ) -> tuple[RankGroup, TensorParallel]:
     """Start ranks 1..size-1 and join their process group as rank 0; returns once every rank
-    has joined (they load their shards meanwhile: wait for ``"ready"``)."""
+    has joined (they load their shards meanwhile: wait for ``"ready"``). ``options``: rank
+    0's ``TorchExecutorOptions`` (typed Any: mypy reads torch_executor under two module names,
+    its path's and the package's)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     # Port 0: the store takes a free port, which the ranks are told.
     store = dist.TCPStore(
