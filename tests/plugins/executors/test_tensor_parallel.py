@@ -6,6 +6,7 @@ Each TP=2 executor spawns a process (about 3 s), so the executors are built once
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 import pickle
@@ -101,6 +102,27 @@ def test_two_ranks_compute_the_logits_of_the_whole_model(
         expected, got = whole.execute(step), split.execute(step)
         assert got.shape == expected.shape == (2, whole.model.vocab_size)
         torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+
+
+def test_forked_pages_and_pooled_hidden_states_match_the_whole_model(
+    pairs: Callable[[str], tuple[TorchExecutor, TorchExecutor]],
+) -> None:
+    whole, split = pairs("llama-bias-tied-odd-vocab")
+    prompt = token_sequences([8], seed=5)[0]
+    step = build_model_input([SeqChunk(prompt, 0, [30, 31])], PAGE_SIZE)
+    # Every row's final hidden state, as an embedding request asks for them.
+    pooled = dataclasses.replace(step, hidden_indices=torch.arange(len(prompt)))
+    expected, got = (
+        whole.execute_with_hidden_states(pooled),
+        split.execute_with_hidden_states(pooled),
+    )
+    for mine, theirs in zip(got, expected, strict=True):
+        torch.testing.assert_close(mine, theirs, atol=ATOL, rtol=0)
+    # A fork copies the pages on every rank: decoding from the copies reads each rank's heads.
+    for executor in (whole, split):
+        executor.copy_pages([30, 31], [32, 33])
+    fork = build_model_input([SeqChunk([9], len(prompt), [32, 33, 34])], PAGE_SIZE)
+    torch.testing.assert_close(split.execute(fork), whole.execute(fork), atol=ATOL, rtol=0)
 
 
 def test_a_batch_refused_on_rank_0_leaves_the_ranks_in_step(
