@@ -1,8 +1,9 @@
-"""Starting a tensor-parallel group from rank 0, and the loop each other rank runs.
+"""Starting a tensor-parallel group from rank 0, and what each other rank runs.
 
-A rank other than 0 is a :class:`~brigade.plugins.executors.torch_executor.TorchExecutor`
-built for its rank (its shard of the weights, its KV heads' pool) that calls what rank 0
-sends (see ``brigade.plugins.executors.tp_ranks``) until told to stop or until rank 0 is gone.
+A rank other than 0 is a :class:`RankWorker`: a
+:class:`~brigade.plugins.executors.torch_executor.TorchExecutor` built for its rank (its
+shard of the weights, its KV heads' pool) that calls what rank 0 sends (see
+``brigade.plugins.executors.tp_ranks``) until told to stop or until rank 0 is gone.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
     from brigade.interfaces import ExecutorParams, ModelArchitecture
     from brigade.plugins.models.architectures import DecoderArchitecture
 
-__all__ = ["check_split", "cpu_threads", "rank_device", "run_rank", "start_ranks"]
+__all__ = ["RankWorker", "check_split", "cpu_threads", "rank_device", "run_rank", "start_ranks"]
 
 _COMMANDS = frozenset(
     {"initialize_kv_cache", "execute", "execute_with_hidden_states", "copy_pages"}
@@ -120,14 +121,14 @@ def start_ranks(
     return group, TensorParallel(0, size, process_group)
 
 
-def run_rank(spec: RankSpec, connection: Connection) -> None:
-    """A rank's process: join the group, build the shard, then call what rank 0 sends."""
+class RankWorker:
+    """One rank other than 0: joins the group, builds its shard, then runs what rank 0 sends.
+    Transport-free, so a launcher other than processes (Ray actors) can host it: it is
+    handed each message rank 0 sent, in order."""
 
-    def reply(kind: str, detail: Any = None) -> None:
-        connection.send_bytes(pickle.dumps((kind, detail)))
+    def __init__(self, spec: RankSpec) -> None:
+        from brigade.plugins.executors.torch_executor import TorchExecutor
 
-    try:
-        reply("hello")
         if spec.backend == "nccl":
             torch.cuda.set_device(torch.device(spec.options.device))
         store = dist.TCPStore(
@@ -137,33 +138,45 @@ def run_rank(spec: RankSpec, connection: Connection) -> None:
             is_master=False,
             timeout=COLLECTIVE_TIMEOUT,
         )
-        tp = TensorParallel(
-            spec.rank, spec.world_size, join_group(spec.backend, store, spec.rank, spec.world_size)
-        )
-        executor = _build(spec, tp)
+        group = join_group(spec.backend, store, spec.rank, spec.world_size)
+        if spec.options.num_threads == 0 and spec.options.device == "cpu":
+            torch.set_num_threads(cpu_threads(spec.world_size))
+        tp = TensorParallel(spec.rank, spec.world_size, group)
+        self.executor = TorchExecutor(spec.params, spec.options, rank=tp)
+
+    def handle(self, message: bytes) -> bool:
+        """Run one message from rank 0 (``tp_ranks.encode``d); False when told to stop."""
+        name, args = pickle.loads(message)
+        if name == "shutdown":
+            return False
+        if name not in _COMMANDS:
+            raise ValueError(f"unknown tensor-parallel command {name!r}")
+        getattr(self.executor, name)(*args)
+        return True
+
+
+def run_rank(spec: RankSpec, connection: Connection) -> None:
+    """A rank's process (:class:`ProcessLauncher`): a :class:`RankWorker` fed from the pipe
+    until rank 0 says stop or its end of the pipe closes."""
+
+    def reply(kind: str, detail: Any = None) -> None:
+        connection.send_bytes(pickle.dumps((kind, detail)))
+
+    try:
+        reply("hello")
+        worker = RankWorker(spec)
         reply("ready")
         while True:
             try:
-                name, args = pickle.loads(connection.recv_bytes())
+                message = connection.recv_bytes()
             except EOFError:  # rank 0's process is gone
                 break
-            if name == "shutdown":
+            if not worker.handle(message):
                 break
-            if name not in _COMMANDS:
-                raise ValueError(f"unknown tensor-parallel command {name!r}")
-            getattr(executor, name)(*args)
     except BaseException as error:  # report it, so rank 0 names the cause, not a broken socket
         with contextlib.suppress(OSError):
             reply("error", f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=6)}")
         raise SystemExit(1) from error
-
-
-def _build(spec: RankSpec, tp: TensorParallel) -> Any:
-    from brigade.plugins.executors.torch_executor import TorchExecutor
-
-    if spec.options.num_threads == 0 and spec.options.device == "cpu":
-        torch.set_num_threads(cpu_threads(spec.world_size))
-    return TorchExecutor(spec.params, spec.options, rank=tp)
 
 
 def cpu_threads(world_size: int) -> int:
