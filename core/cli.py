@@ -100,6 +100,7 @@ def _build_parser() -> argparse.ArgumentParser:
     generate = commands.add_parser("generate", help="generate offline (greedy by default)")
     generate.add_argument("--config", help="TOML config (omit for the defaults)")
     _add_override_flag(generate)
+    serve_args.add_alias_flags(generate, "--tensor-parallel-size")
     generate.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     generate.add_argument(
         "--chat",
@@ -132,15 +133,6 @@ def _build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         help="a stop string, left out of the text (repeatable)",
-    )
-    generate.add_argument(
-        "--data-parallel-size",
-        "-dp",
-        type=int,
-        default=None,
-        metavar="N",
-        help="engine replicas, each in its own process with 1/N of the cores; the router "
-        "station places the prompts [router.data_parallel_size]",
     )
     generate.set_defaults(handler=_cmd_generate)
 
@@ -364,11 +356,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise BrigadeError(str(exc)) from exc
-    overrides = list(args.set)
-    if args.data_parallel_size is not None:
-        if args.data_parallel_size < 1:
-            raise BrigadeError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
-        overrides.append(f"router.data_parallel_size={args.data_parallel_size}")
+    overrides = [*serve_args.alias_overrides(args), *args.set]
     config, _ = _load(args.config, overrides)
     if config["router"].settings.data_parallel_size > 1:
         return _generate_on_replicas(args, overrides, prompts, params)

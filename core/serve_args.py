@@ -27,6 +27,8 @@ __all__ = [
     "format_override",
     "render_flag_tables",
     "serve_overrides",
+    "add_alias_flags",
+    "alias_overrides",
     "update_doc",
 ]
 
@@ -127,16 +129,38 @@ def serve_overrides(
         if getattr(args, "vllm_model", None) is not None:
             raise BrigadeError("give the model once: as MODEL or as --model")
         overrides.append(format_override("model.path", args.model))
-    for flag in FLAGS:
-        raw = getattr(args, flag.dest, None) if flag.status == "alias" else None
-        if raw is not None and flag.key is not None:
-            overrides.append(format_override(flag.key, _convert(flag.names[0], flag, raw)))
+    overrides += alias_overrides(args)
     environ = os.environ if environ is None else environ
     if environ.get("VLLM_API_KEY") and getattr(args, "vllm_api_key", None) is None:
         # vLLM's --api-key defaults to this variable; a migrated script must not end up open.
         overrides.append(format_override("server.api_keys", [environ["VLLM_API_KEY"]]))
         notes.append("VLLM_API_KEY: clients must send it as their bearer token, as with vLLM")
     return [*overrides, *getattr(args, "set", [])], notes
+
+
+def add_alias_flags(parser: argparse.ArgumentParser, *names: str) -> None:
+    """Add the alias flags of the table whose first name is among ``names`` (``brigade
+    generate`` takes a few of serve's); :func:`alias_overrides` reads them back."""
+    for flag in FLAGS:
+        if flag.status == "alias" and flag.names[0] in names:
+            parser.add_argument(
+                *flag.names,
+                dest=flag.dest,
+                default=None,
+                help=f"{flag.help} [{flag.key}]",
+                **_alias_kwargs(flag),
+            )
+
+
+def alias_overrides(args: argparse.Namespace) -> list[str]:
+    """The ``--set`` overrides of the alias flags given in ``args``; ``BrigadeError`` naming
+    the flag for a value that does not map."""
+    overrides = []
+    for flag in FLAGS:
+        raw = getattr(args, flag.dest, None) if flag.status == "alias" else None
+        if raw is not None and flag.key is not None:
+            overrides.append(format_override(flag.key, _convert(flag.names[0], flag, raw)))
+    return overrides
 
 
 def format_override(key: str, value: Any) -> str:

@@ -118,6 +118,16 @@ def _integer(text: str) -> int:
         raise ValueError("expected an integer") from None
 
 
+def _rank_count(text: str) -> int:
+    try:
+        count = int(text)
+    except ValueError:
+        raise ValueError("expected a whole number of ranks, 1 or more") from None
+    if count < 1:
+        raise ValueError("expected a whole number of ranks, 1 or more")
+    return count
+
+
 def _gib(text: str) -> float:
     try:
         value = float(text)
@@ -356,6 +366,14 @@ FLAGS: tuple[ServeFlag, ...] = (
         parse=_device,
         metavar="DEVICE",
     ),
+    _alias(
+        ("--tensor-parallel-size", "-tp"),
+        "executor.tensor_parallel_size",
+        "ranks the model is split over: processes on this machine, one GPU each on CUDA (an "
+        "option of the torch executor; docs/distributed.md)",
+        parse=_rank_count,
+        metavar="N",
+    ),
     # vLLM's meaning is already Brigade's behaviour.
     _accepted(
         "--trust-remote-code",
@@ -407,7 +425,11 @@ FLAGS: tuple[ServeFlag, ...] = (
         "--disable-frontend-multiprocessing",
         "the HTTP server and the engine share one process (the engine steps on a thread)",
     ),
-    _accepted("--disable-custom-all-reduce", "Brigade runs on one device: there is no all-reduce"),
+    _accepted(
+        "--disable-custom-all-reduce",
+        "tensor parallelism all-reduces through torch.distributed (gloo, NCCL); Brigade has no "
+        "custom all-reduce",
+    ),
     _accepted(
         "--max-log-len",
         "prompts are never logged, so there is nothing to shorten",
@@ -415,11 +437,6 @@ FLAGS: tuple[ServeFlag, ...] = (
         metavar="N",
     ),
     # vLLM features Brigade does not have.
-    _refused(
-        ("--tensor-parallel-size", "-tp"),
-        "tensor parallelism is not implemented yet: one engine runs on one device ([executor] "
-        "device)",
-    ),
     _refused(("--pipeline-parallel-size", "-pp"), "pipeline parallelism is not implemented yet"),
     _refused(
         ("--data-parallel-size", "-dp"),
@@ -429,8 +446,8 @@ FLAGS: tuple[ServeFlag, ...] = (
     _refused(("--enable-expert-parallel", "-ep"), "expert parallelism is not implemented yet"),
     _refused(
         "--distributed-executor-backend",
-        "there is no distributed executor: one process, one device; [executor] plugin picks "
-        "the executor",
+        "tensor-parallel ranks always run as processes on this machine (vLLM's mp); other "
+        "backends (ray) are not implemented yet",
     ),
     _refused("--headless", "there is no multi-node mode"),
     _refused(("--api-server-count", "-asc"), "Brigade runs one API server in one process"),

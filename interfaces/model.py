@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -21,7 +21,9 @@ class Checkpoint(abc.ABC):
     Core opens one per engine and hands the same object to the executor
     (``ExecutorParams.checkpoint``: config and weights) and to samplers
     (``SamplerParams.checkpoint``: the tokenizer). Reading :attr:`config` or the tokenizer
-    never reads weights. Plugins only read a checkpoint; core owns it.
+    never reads weights. Plugins only read a checkpoint; core owns it. Core's checkpoints
+    pickle as the files to reopen, so an executor may hand one to another process (its
+    tensor-parallel ranks).
     """
 
     path: str
@@ -44,6 +46,26 @@ class Checkpoint(abc.ABC):
         """Every weight under its Hugging Face name, floating ones as ``dtype`` on ``device``
         (quantized GGUF tensors dequantized), one tensor at a time; a progress bar on a
         terminal. Raises ``ModelLoadError`` naming the file for a corrupt or missing one."""
+
+    def weight_slices(
+        self,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        slice_of: Callable[[str], tuple[int, int, int] | None],
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """:meth:`weights`, each tensor narrowed to ``slice_of(name)`` = ``(dim, start,
+        length)`` (clipped at the tensor's end; None: the whole tensor), for a
+        tensor-parallel rank that holds a slice. This default reads every tensor whole and
+        narrows it (a GGUF file's quantized tensors are dequantized whole); a checkpoint that
+        can read a slice alone (safetensors) overrides it (API 2.3)."""
+        for name, tensor in self.weights(dtype, device):
+            part = slice_of(name)
+            if part is None:
+                yield name, tensor
+                continue
+            dim, start, length = part
+            end = min(start + length, tensor.shape[dim])
+            yield name, tensor.narrow(dim, start, end - start).clone()
 
     @abc.abstractmethod
     def tokenizer(self) -> Any:

@@ -22,7 +22,7 @@ import importlib.metadata
 import json
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -221,6 +221,10 @@ class HFCheckpoint(_FileCheckpoint):
         self._generation: dict[str, Any] | None = None
         self._eos_token_ids: frozenset[int] | None = None
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickles as the files to reopen (a tensor-parallel rank's process gets it so)."""
+        return _reopen, (HFCheckpoint, (self.directory, self._chat_template), {"name": self.name})
+
     @property
     def config(self) -> Mapping[str, Any]:
         return self._config
@@ -235,6 +239,17 @@ class HFCheckpoint(_FileCheckpoint):
             for name, tensor in iter_safetensors(self.directory, dtype, device):
                 bar.update(tensor.numel() * tensor.element_size())
                 yield name, tensor
+
+    def weight_slices(
+        self,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        slice_of: Callable[[str], tuple[int, int, int] | None],
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Only each tensor's slice is read from the safetensors files."""
+        from brigade.models.loader import iter_safetensors
+
+        yield from iter_safetensors(self.directory, dtype, device, slice_of)
 
     def _tokenizer_spec(self) -> TokenizerSpec | None:
         """None when the directory has no tokenizer files at all (a config-only directory,
@@ -309,6 +324,11 @@ class GGUFCheckpoint(_FileCheckpoint):
         self._config = gguf_hf_config(self.file)
         self._extra_sampling_defaults = dict(sampling_defaults or {})
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickles as the file to reopen (its mapping does not cross processes)."""
+        options = {"name": self.name, "sampling_defaults": self._extra_sampling_defaults}
+        return _reopen, (GGUFCheckpoint, (Path(self.path), self._chat_template), options)
+
     @property
     def config(self) -> Mapping[str, Any]:
         return self._config
@@ -351,6 +371,10 @@ class GGUFCheckpoint(_FileCheckpoint):
             counts[tensor.type_name] = counts.get(tensor.type_name, 0) + 1
         ordered = sorted(counts.items(), key=lambda item: -item[1])
         return "tensors " + ", ".join(f"{name} x{count}" for name, count in ordered)
+
+
+def _reopen(kind: type[Any], args: tuple[Any, ...], options: dict[str, Any]) -> Any:
+    return kind(*args, **options)
 
 
 def _sampling_fields(values: Mapping[str, Any], where: object) -> dict[str, float]:

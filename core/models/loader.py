@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -110,12 +110,17 @@ def weight_files(path: str | os.PathLike[str]) -> list[Path]:
 
 
 def iter_safetensors(
-    path: str | os.PathLike[str], dtype: torch.dtype, device: torch.device | str
+    path: str | os.PathLike[str],
+    dtype: torch.dtype,
+    device: torch.device | str,
+    slice_of: Callable[[str], tuple[int, int, int] | None] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) for every tensor, floating ones cast to ``dtype``, on ``device``.
 
     Files are opened one at a time and tensors read one at a time, so peak memory stays near
-    one tensor beyond the model. A corrupt file raises ``ModelLoadError`` naming it.
+    one tensor beyond the model. With ``slice_of`` (see ``Checkpoint.weight_slices``) only
+    the named slice of a tensor is read from the file. A corrupt file raises
+    ``ModelLoadError`` naming it.
     """
     for file in weight_files(path):
         try:
@@ -124,8 +129,14 @@ def iter_safetensors(
             raise ModelLoadError(f"{file} is not a valid safetensors file: {error}") from error
         with handle:
             for name in handle.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                part = None if slice_of is None else slice_of(name)
                 try:
-                    tensor = handle.get_tensor(name)
+                    if part is None:
+                        tensor = handle.get_tensor(name)
+                    else:
+                        dim, start, length = part
+                        index = (slice(None),) * dim + (slice(start, start + length),)
+                        tensor = handle.get_slice(name)[index]
                 except Exception as error:
                     raise ModelLoadError(
                         f"{file}: cannot read tensor {name!r} (truncated or corrupt file?): {error}"

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import re
 import time
+import weakref
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -28,9 +30,11 @@ from brigade.model_input import SeqChunk, build_model_input
 from brigade.plugins.executors.cpu_gemm import CPU_LINEAR_MODES, use_cpu_linears
 from brigade.plugins.executors.cpu_memory import keep_freed_memory
 from brigade.plugins.models.decoder import CpuFusion
+from brigade.plugins.models.parallel import TensorParallel
 
 if TYPE_CHECKING:
     from brigade.plugins.executors.compiled_forward import CompiledForward
+    from brigade.plugins.executors.tp_ranks import RankGroup
 
 __all__ = [
     "DEVICE_PATTERN",
@@ -92,6 +96,16 @@ class TorchExecutorOptions:
         "decode step as one C++ call (the same kernels in the same order as the eager forward, so "
         "identical results, without Python's per-operation overhead); false = layer by layer",
     )
+    tensor_parallel_size: int = option(
+        1,
+        help="split the model over this many ranks (processes on this machine: rank 0 in the "
+        "engine, the others spawned; gloo on a CPU, NCCL over one GPU each from [executor] "
+        "device on CUDA): attention heads, KV heads, MLP columns and the vocabulary are "
+        "divided, and each rank reads only its slices of the weights. The model's attention "
+        "heads and intermediate_size must divide by it, and its KV heads divide by it or it "
+        "by them (KV heads are then replicated); not with compile (docs/distributed.md)",
+        ge=1,
+    )
 
 
 def resolve_device(name: str) -> torch.device:
@@ -132,13 +146,30 @@ class TorchExecutor(Executor):
     supports_copy_pages: ClassVar[bool] = True
     returns_hidden_states: ClassVar[bool] = True
 
-    def __init__(self, params: ExecutorParams, options: TorchExecutorOptions) -> None:
+    def __init__(
+        self,
+        params: ExecutorParams,
+        options: TorchExecutorOptions,
+        rank: TensorParallel | None = None,
+    ) -> None:
+        """``rank``: this executor is that rank of a tensor-parallel group, started by rank 0
+        (``brigade.plugins.executors.tp_worker``); None: rank 0, or no group."""
         self.params = params
         self._device = resolve_device(options.device)
+        self.tp = rank
+        """This executor's place in a tensor-parallel group; None without one."""
+        if rank is None and options.tensor_parallel_size > 1:
+            self.tp = TensorParallel(0, options.tensor_parallel_size)
+        self.ranks: RankGroup | None = None
+        """Rank 0's link to the other ranks; None on them and without a group."""
         if options.reuse_freed_memory and self._device.type == "cpu":
             keep_freed_memory()
         if options.num_threads:
             torch.set_num_threads(options.num_threads)  # process-wide, as torch allows
+        elif self.tp is not None and rank is None and self._device.type == "cpu":
+            from brigade.plugins.executors.tp_worker import cpu_threads
+
+            torch.set_num_threads(cpu_threads(self.tp.size))  # the ranks share the cores
         self.attention = params.attention
         self.attention.check_device(str(self.device))
         checkpoint = params.checkpoint
@@ -152,10 +183,13 @@ class TorchExecutor(Executor):
             else _named_dtype("kv_cache_dtype", params.kv_cache_dtype)
         )
         self.max_model_len = _max_model_len(params.max_model_len, hf_config)
-        self.model: CausalLM = architecture.build(
-            hf_config, self.attention, self.dtype, self.device
-        )
-        architecture.load_weights(self.model, checkpoint.weights(self.dtype, self.device))
+        if self.tp is None:
+            self.model: CausalLM = architecture.build(
+                hf_config, self.attention, self.dtype, self.device
+            )
+            architecture.load_weights(self.model, checkpoint.weights(self.dtype, self.device))
+        else:
+            self.model = self._build_shard(architecture, hf_config, options)
         if isinstance(self.model, torch.nn.Module):
             self.model.eval()
             if self.device.type == "cpu" and not options.compile:
@@ -163,7 +197,8 @@ class TorchExecutor(Executor):
         if isinstance(fusion := getattr(self.model, "fusion", None), CpuFusion):
             fusion.enabled = options.fused_ops
         if (fused := getattr(self.model, "fused_decode", None)) is not None:
-            fused.enabled = options.fused_decode
+            # The one-call C++ decode has no collectives: a shard runs layer by layer.
+            fused.enabled = options.fused_decode and self.tp is None
         self.forward_fn: Callable[..., torch.Tensor] = self.model.forward
         """The model's forward (a subclass may swap in a compiled one)."""
         self.compiled: CompiledForward | None = None
@@ -180,6 +215,49 @@ class TorchExecutor(Executor):
         self.num_pages = 0
         self.host_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         """Swap pages in host memory (ids ``num_pages`` and up)."""
+
+    def _build_shard(
+        self,
+        architecture: ModelArchitecture,
+        hf_config: dict[str, object],
+        options: TorchExecutorOptions,
+    ) -> CausalLM:
+        """This rank's shard; on rank 0, after starting the other ranks (which load theirs
+        meanwhile) and before waiting for them to be ready."""
+        from brigade.plugins.executors.tp_worker import check_split, rank_device, start_ranks
+
+        tp = self.tp
+        if tp is None:  # pragma: no cover - the caller checked
+            raise RuntimeError("not a tensor-parallel executor")
+        architecture = check_split(architecture, hf_config, tp.size, compile=options.compile)
+        if tp.rank == 0:  # the checks above ran before any process starts
+            self._device = rank_device(self.device, 0, tp.size)
+            self.ranks, tp = start_ranks(self.params, options, self.device, tp.size)
+            self.tp = tp
+            # An executor dropped without shutdown() still stops its ranks.
+            weakref.finalize(self, self.ranks.stop)
+        try:
+            model = architecture.build(hf_config, self.attention, self.dtype, self.device, tp)
+            architecture.load_checkpoint(model, self.params.checkpoint, self.dtype, self.device)
+            if self.ranks is not None:
+                self.ranks.wait("ready")
+        except BaseException:
+            self.shutdown_ranks()
+            raise
+        return model
+
+    def _send(self, name: str, *args: Any) -> contextlib.AbstractContextManager[None]:
+        """Have the other ranks call ``name(*args)`` too; the context guards rank 0's part."""
+        if self.ranks is None:
+            return contextlib.nullcontext()
+        self.ranks.send(name, *args)
+        return self.ranks.guard()
+
+    def shutdown_ranks(self) -> None:
+        """Stop the other ranks (rank 0; idempotent)."""
+        if self.ranks is not None:
+            self.ranks.stop()
+            self.ranks = None
 
     @property
     def device(self) -> torch.device:
@@ -199,6 +277,8 @@ class TorchExecutor(Executor):
             2 * element_size * _numel(self._layer_shape(1, index))
             for index in range(len(self.model.attention_layers))
         )
+        if self.tp is not None and self.device.type == "cpu":
+            bytes_per_page *= self.tp.size  # every rank's pool comes out of the same memory
         return KVCacheSpec(
             num_layers=len(self.model.attention_layers),
             page_size=self.params.page_size,
@@ -219,6 +299,10 @@ class TorchExecutor(Executor):
             raise RuntimeError("initialize_kv_cache was already called; it allocates once")
         if num_pages < 1:
             raise ValueError(f"num_pages must be at least 1, got {num_pages}")
+        with self._send("initialize_kv_cache", num_pages, num_host_pages):
+            self._allocate_kv_cache(num_pages, num_host_pages)
+
+    def _allocate_kv_cache(self, num_pages: int, num_host_pages: int) -> None:
         lazy = self.device.type == "cpu"
         allocate = torch.empty if lazy else torch.zeros
         for index in range(len(self.model.attention_layers)):
@@ -255,8 +339,8 @@ class TorchExecutor(Executor):
             build_model_input([SeqChunk([0], 1, table)], page_size),
         )
         started = time.perf_counter()
-        for batch in batches:
-            self.execute(batch)
+        for batch in batches:  # every rank warms up alike, in step: no command is sent
+            self._run(batch)
         if self._unzeroed is not None:
             self._unzeroed[0] = True
         if self.compiled is not None and self.compiled.failed is None:
@@ -264,6 +348,12 @@ class TorchExecutor(Executor):
 
     def execute(self, batch: ModelInput) -> torch.Tensor:
         """Float32 logits [len(batch.logits_indices), vocab_size], on this executor's device."""
+        self.check_batch(batch)  # a batch that fails here must not reach the ranks
+        with self._send("execute", batch):
+            return self._run(batch)
+
+    def _run(self, batch: ModelInput) -> torch.Tensor:
+        """:meth:`execute` on this rank alone."""
         batch = self.prepare_input(batch)
         with torch.inference_mode():
             return self.compute_logits(batch)
@@ -273,6 +363,11 @@ class TorchExecutor(Executor):
         (eager forward: steps that pool are prefills, which graphs do not hold)."""
         if batch.hidden_indices is None:
             raise ValueError("execute_with_hidden_states needs a batch with hidden_indices")
+        self.check_batch(batch)
+        with self._send("execute_with_hidden_states", batch):
+            return self._run_with_hidden_states(batch)
+
+    def _run_with_hidden_states(self, batch: ModelInput) -> tuple[torch.Tensor, torch.Tensor]:
         batch = self.prepare_input(batch)
         assert batch.hidden_indices is not None
         with torch.inference_mode():
@@ -329,6 +424,10 @@ class TorchExecutor(Executor):
         limit = self.num_pages + (self.host_caches[0][0].shape[0] if self.host_caches else 0)
         if min(*src, *dst) < 0 or max(*src, *dst) >= limit:
             raise ValueError(f"copy_pages: page ids must be in [0, {limit})")
+        with self._send("copy_pages", list(src), list(dst)):
+            self._copy_pages(src, dst)
+
+    def _copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None:
         source = torch.tensor(list(src), dtype=torch.int64)
         target = torch.tensor(list(dst), dtype=torch.int64)
         if self._unzeroed is not None:
@@ -360,7 +459,8 @@ class TorchExecutor(Executor):
                 to_pool.index_copy_(0, target.to(to_pool.device), pages)
 
     def shutdown(self) -> None:
-        """Drop the weights and the KV pool."""
+        """Drop the weights and the KV pool; stop the other tensor-parallel ranks."""
+        self.shutdown_ranks()
         self.kv_caches = []
         del self.model
         if self.device.type == "cuda":

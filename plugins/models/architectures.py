@@ -7,9 +7,17 @@ from typing import Any, ClassVar
 
 import torch
 
-from brigade.interfaces import AttentionBackend, CausalLM, ModelArchitecture, ModelLoadError
+from brigade.interfaces import (
+    AttentionBackend,
+    CausalLM,
+    Checkpoint,
+    ModelArchitecture,
+    ModelLoadError,
+)
 from brigade.plugins.models.config import Family, parse_decoder_config
 from brigade.plugins.models.decoder import DecoderForCausalLM
+from brigade.plugins.models.parallel import Shard, TensorParallel, check_shardable
+from brigade.plugins.models.weights import checkpoint_targets
 
 __all__ = [
     "ARCHITECTURES",
@@ -33,14 +41,29 @@ class DecoderArchitecture(ModelArchitecture):
         """Raise ``ValueError`` naming the key if this family cannot run ``hf_config``."""
         parse_decoder_config(hf_config, self.family)
 
+    def check_split(self, hf_config: Mapping[str, Any], tp_size: int) -> None:
+        """``ConfigError`` naming ``[executor] tensor_parallel_size`` unless the model splits
+        over ``tp_size`` ranks (heads, KV heads, MLP columns)."""
+        config = parse_decoder_config(hf_config, self.family)
+        check_shardable(
+            tp_size,
+            num_heads=config.num_heads,
+            num_kv_heads=config.num_kv_heads,
+            intermediate_size=config.intermediate_size,
+        )
+
     def build(
         self,
         hf_config: Mapping[str, Any],
         attention: AttentionBackend,
         dtype: torch.dtype,
         device: torch.device,
+        tp: TensorParallel | None = None,
     ) -> CausalLM:
-        """The decoder with uninitialised weights on ``device`` (RoPE cache computed)."""
+        """The decoder with uninitialised weights on ``device`` (RoPE cache computed); with
+        ``tp``, this rank's shard (``ConfigError`` when the model does not split that way)."""
+        if tp is not None:
+            self.check_split(hf_config, tp.size)
         config = parse_decoder_config(hf_config, self.family)
         if any(w is not None for w in config.sliding_windows) and not (
             attention.supports_sliding_window
@@ -50,16 +73,33 @@ class DecoderArchitecture(ModelArchitecture):
                 f"attention, which attention backend {attention.name!r} does not support"
             )
         with torch.device("meta"):
-            model = DecoderForCausalLM(config, attention, dtype)
+            model = DecoderForCausalLM(config, attention, dtype, tp)
         model = model.to_empty(device=device)
         model.initialize_rope()
         return model
 
+    def load_checkpoint(
+        self, model: CausalLM, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        """:meth:`load_weights` from ``checkpoint``; a tensor-parallel shard asks it for its
+        slices only (``Checkpoint.weight_slices``)."""
+        if not isinstance(model, DecoderForCausalLM) or model.tp is None:
+            self.load_weights(model, checkpoint.weights(dtype, device))
+            return
+        targets = checkpoint_targets(model)
+
+        def slice_of(name: str) -> tuple[int, int, int] | None:
+            shard = target.shard if (target := targets.get(name)) is not None else None
+            return None if shard is None else (shard.dim, shard.start, shard.length)
+
+        self.load_weights(model, checkpoint.weight_slices(dtype, device, slice_of))
+
     def load_weights(self, model: CausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into ``model``, stacking q/k/v and gate/up into fused rows."""
+        """Copy HF-named tensors into ``model``, stacking q/k/v and gate/up into fused rows.
+        A tensor-parallel shard takes each tensor whole or already narrowed to its slice."""
         if not isinstance(model, DecoderForCausalLM):
             raise TypeError(f"expected a model built by {type(self).__name__}, got {model!r}")
-        targets = model.checkpoint_targets()
+        targets = checkpoint_targets(model)
         tied = model.lm_head is None
         loaded: set[str] = set()
         with torch.no_grad():
@@ -73,8 +113,9 @@ class DecoderArchitecture(ModelArchitecture):
                         "with this config.json (check the architectures name and config keys "
                         "such as attention_bias, mlp_bias, tie_word_embeddings)"
                     )
-                param, start, rows = target
-                destination = param.narrow(0, start, rows)
+                destination = target.param.narrow(0, target.start, target.rows)
+                if target.shard is not None:
+                    tensor, destination = _shard_of(tensor, destination, target.shard)
                 if tuple(tensor.shape) != tuple(destination.shape):
                     raise ModelLoadError(
                         f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, but "
@@ -90,6 +131,26 @@ class DecoderArchitecture(ModelArchitecture):
             raise ModelLoadError(f"checkpoint is missing {len(missing)} tensor(s): {shown}")
         if tied:
             model.tie_lm_head()
+
+
+def _shard_of(
+    tensor: torch.Tensor, destination: torch.Tensor, shard: Shard
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(this rank's slice of ``tensor``, the part of ``destination`` it fills): narrows a
+    whole checkpoint tensor (a pre-sliced one is left as it is), zeroes the padding rows of a
+    vocabulary shard past the vocabulary's end, and a zero shard's whole destination."""
+    if shard.zero:
+        destination.zero_()
+        return destination, destination
+    size = tensor.shape[shard.dim]
+    if size > shard.length:  # the whole tensor (a slice is at most shard.length long)
+        # [.., size, ..] -> [.., length (less at the vocabulary's end), ..]
+        tensor = tensor.narrow(shard.dim, shard.start, min(shard.length, size - shard.start))
+    available = tensor.shape[shard.dim]
+    if available < shard.length:  # the last vocabulary shard: rows past the vocabulary
+        destination.narrow(shard.dim, available, shard.length - available).zero_()
+        destination = destination.narrow(shard.dim, 0, available)
+    return tensor, destination
 
 
 class LlamaArchitecture(DecoderArchitecture):

@@ -30,15 +30,10 @@ from torch import nn
 from brigade.interfaces import AttentionBackend, AttentionLayer
 from brigade.plugins.attention.cpu_kernels import cpu_ops
 from brigade.plugins.models.config import DecoderConfig
+from brigade.plugins.models.parallel import TensorParallel, all_reduce, gather_vocab
 from brigade.plugins.models.rope import apply_rope, rope_cos_sin
 
 __all__ = ["CpuFusion", "DecoderForCausalLM", "RMSNorm"]
-
-_FUSED = {
-    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-}
-"""Fused module -> the checkpoint modules stacked (in order) along its output rows."""
 
 
 @dataclasses.dataclass
@@ -95,11 +90,14 @@ class DecoderAttention(nn.Module):
         self.layer = layer
         self.backend = backend
         self.fusion = fusion
-        self.split_sizes = (config.q_size, config.kv_size, config.kv_size)
+        # This rank's heads (all of them without tensor parallelism).
+        q_size = layer.num_heads * layer.head_dim
+        kv_size = layer.num_kv_heads * layer.head_dim
+        self.split_sizes = (q_size, kv_size, kv_size)
         self.qkv_proj = nn.Linear(
             config.hidden_size, sum(self.split_sizes), bias=config.qkv_bias, dtype=dtype
         )
-        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.o_bias, dtype=dtype)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_bias, dtype=dtype)
         self.q_norm = (
             RMSNorm(layer.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
         )
@@ -138,15 +136,17 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, config: DecoderConfig, dtype: torch.dtype, fusion: CpuFusion) -> None:
+    def __init__(
+        self, config: DecoderConfig, dtype: torch.dtype, fusion: CpuFusion, tp_size: int
+    ) -> None:
         super().__init__()
         self.fusion = fusion
-        self.intermediate_size = config.intermediate_size
+        self.intermediate_size = config.intermediate_size // tp_size  # this rank's share
         self.gate_up_proj = nn.Linear(
-            config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias, dtype=dtype
+            config.hidden_size, 2 * self.intermediate_size, bias=config.mlp_bias, dtype=dtype
         )
         self.down_proj = nn.Linear(
-            config.intermediate_size, config.hidden_size, bias=config.mlp_bias, dtype=dtype
+            self.intermediate_size, config.hidden_size, bias=config.mlp_bias, dtype=dtype
         )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -166,14 +166,19 @@ class DecoderLayer(nn.Module):
         backend: AttentionBackend,
         dtype: torch.dtype,
         fusion: CpuFusion,
+        tp: TensorParallel | None = None,
     ) -> None:
         super().__init__()
         self.fusion = fusion
+        self.tp = tp
+        """With tensor parallelism, o_proj and down_proj hold a share of their input columns:
+        their outputs are summed over the ranks."""
+        tp_size = 1 if tp is None else tp.size
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, fusion)
         self.self_attn = DecoderAttention(config, layer, backend, dtype, fusion)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, fusion)
-        self.mlp = DecoderMLP(config, dtype, fusion)
+        self.mlp = DecoderMLP(config, dtype, fusion, tp_size)
 
     def attention_input(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -186,13 +191,16 @@ class DecoderLayer(nn.Module):
         the residual stream after this layer (o_proj, residual, MLP, residual)."""
         # attention: [T, heads, head_dim] -> [T, heads * head_dim]
         delta = self.self_attn.o_proj(attention.reshape(hidden.shape[0], -1))
+        if self.tp is not None:
+            delta = all_reduce(delta, self.tp)
         norm = self.post_attention_layernorm
         if (ops := self.fusion.ops(hidden)) is not None:
             hidden, normed = ops.add_rms_norm(hidden, delta, norm.weight, norm.eps)
         else:
             hidden = hidden + delta
             normed = norm(hidden)
-        return hidden + self.mlp(normed)
+        mlp = self.mlp(normed)
+        return hidden + (mlp if self.tp is None else all_reduce(mlp, self.tp))
 
     def forward(
         self,
@@ -212,21 +220,38 @@ class DecoderForCausalLM(nn.Module):
 
     Build it on the meta device and move it with ``to_empty``; then call
     :meth:`initialize_rope` (the cos/sin cache is computed, not loaded).
+
+    With ``tp`` (tensor parallelism, ``brigade.plugins.models.parallel``) this is one rank's
+    shard: its attention heads, KV heads, MLP columns and vocabulary rows; the layers sum
+    partial results over the ranks and :meth:`compute_logits` returns the full logits on
+    rank 0. ``attention_layers`` describe this rank's heads (its KV pool's shape).
     """
 
     def __init__(
-        self, config: DecoderConfig, backend: AttentionBackend, dtype: torch.dtype
+        self,
+        config: DecoderConfig,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+        tp: TensorParallel | None = None,
     ) -> None:
         super().__init__()
         self.config = config
         self.vocab_size = config.vocab_size
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        """This rank's place in a tensor-parallel group; None when the model is whole."""
+        tp_size = 1 if self.tp is None else self.tp.size
+        _, num_kv_heads = (
+            (0, config.num_kv_heads) if self.tp is None else self.tp.kv_heads(config.num_kv_heads)
+        )
+        self.vocab_rows = -(-config.vocab_size // tp_size)
+        """Rows of the embedding and the LM head here (the vocabulary padded to tp_size)."""
         self.fusion = CpuFusion()
         """Whether the small operations take the fused CPU kernels (see :class:`CpuFusion`)."""
         self.attention_layers: Sequence[AttentionLayer] = tuple(
             AttentionLayer(
                 layer_index=index,
-                num_heads=config.num_heads,
-                num_kv_heads=config.num_kv_heads,
+                num_heads=config.num_heads // tp_size,
+                num_kv_heads=num_kv_heads,
                 head_dim=config.head_dim,
                 scale=config.head_dim**-0.5,
                 sliding_window=window,
@@ -236,12 +261,12 @@ class DecoderForCausalLM(nn.Module):
         # _weight skips the random init: weights are loaded anyway, and normal_ on the meta
         # device would import torch._dynamo (~2.5 s of start-up).
         self.embed_tokens = nn.Embedding(
-            config.vocab_size,
+            self.vocab_rows,
             config.hidden_size,
-            _weight=torch.empty(config.vocab_size, config.hidden_size, dtype=dtype),
+            _weight=torch.empty(self.vocab_rows, config.hidden_size, dtype=dtype),
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(config, layer, backend, dtype, self.fusion)
+            DecoderLayer(config, layer, backend, dtype, self.fusion, self.tp)
             for layer in self.attention_layers
         )
         self.decoder_layers = cast("tuple[DecoderLayer, ...]", tuple(self.layers))
@@ -254,7 +279,7 @@ class DecoderForCausalLM(nn.Module):
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+            else nn.Linear(config.hidden_size, self.vocab_rows, bias=False, dtype=dtype)
         )
         half = config.head_dim // 2
         self.rope_cos: torch.Tensor
@@ -291,11 +316,21 @@ class DecoderForCausalLM(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """input_ids, positions: [T] -> (residual stream [T, hidden_size], RoPE cos, sin
         [T, head_dim // 2] in the activation dtype)."""
-        hidden = self.embed_tokens(input_ids)  # [T, hidden_size]
+        hidden = self._embed_tokens(input_ids)  # [T, hidden_size]
         # transformers rounds cos/sin to the activation dtype before rotating.
         cos = self.rope_cos[positions].to(hidden.dtype)  # [T, head_dim // 2]
         sin = self.rope_sin[positions].to(hidden.dtype)  # [T, head_dim // 2]
         return hidden, cos, sin
+
+    def _embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] ids -> [T, hidden_size]; a vocab-parallel rank looks up the ids in its rows,
+        zeros the others, and the sum over the ranks is the embedding."""
+        if self.tp is None:
+            return cast("torch.Tensor", self.embed_tokens(input_ids))
+        local = input_ids - self.tp.rank * self.vocab_rows
+        outside = (local < 0) | (local >= self.vocab_rows)
+        hidden = self.embed_tokens(local.masked_fill(outside, 0))  # [T, hidden_size]
+        return all_reduce(hidden.masked_fill(outside.unsqueeze(-1), 0.0), self.tp)
 
     def attention_input(
         self, index: int, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -326,10 +361,15 @@ class DecoderForCausalLM(nn.Module):
         return self.norm(hidden)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[rows, hidden_size] -> float32 logits [rows, vocab_size]."""
+        """[rows, hidden_size] -> float32 logits [rows, vocab_size] (on rank 0 of a
+        tensor-parallel group; the other ranks get their vocabulary shard)."""
         if self.lm_head is None:  # tied, before tie_lm_head
-            return F.linear(hidden_states, self.embed_tokens.weight).float()
-        return cast("torch.Tensor", self.lm_head(hidden_states)).float()
+            logits = F.linear(hidden_states, self.embed_tokens.weight)
+        else:
+            logits = cast("torch.Tensor", self.lm_head(hidden_states))
+        if self.tp is not None:
+            logits = gather_vocab(logits, self.tp, self.vocab_size)
+        return logits.float()
 
     def tie_lm_head(self) -> None:
         """Give a model with tied embeddings an ``lm_head`` module that reads the embedding's
@@ -338,33 +378,6 @@ class DecoderForCausalLM(nn.Module):
         if self.lm_head is not None:
             return
         with torch.device("meta"):
-            head = nn.Linear(self.config.hidden_size, self.vocab_size, bias=False)
+            head = nn.Linear(self.config.hidden_size, self.vocab_rows, bias=False)
         head.weight = self.embed_tokens.weight
         self.lm_head = head
-
-    def checkpoint_targets(self) -> dict[str, tuple[torch.Tensor, int, int]]:
-        """HF checkpoint name -> (parameter, first row, rows) that tensor fills.
-
-        Fused parameters appear once per checkpoint tensor stacked into them.
-        """
-        targets: dict[str, tuple[torch.Tensor, int, int]] = {}
-        for name, param in self.named_parameters():
-            module_path, _, kind = name.rpartition(".")
-            hf_prefix = "" if name.startswith("lm_head.") else "model."
-            fused = next((f for f in _FUSED if module_path.endswith(f)), None)
-            if fused is None:
-                targets[hf_prefix + name] = (param, 0, param.shape[0])
-                continue
-            base = module_path[: -len(fused)]
-            sizes = self._fused_sizes(fused)
-            start = 0
-            for part, rows in zip(_FUSED[fused], sizes, strict=True):
-                targets[f"{hf_prefix}{base}{part}.{kind}"] = (param, start, rows)
-                start += rows
-        return targets
-
-    def _fused_sizes(self, fused: str) -> tuple[int, ...]:
-        config = self.config
-        if fused == "mlp.gate_up_proj":
-            return (config.intermediate_size, config.intermediate_size)
-        return (config.q_size, config.kv_size, config.kv_size)

@@ -71,6 +71,14 @@ def test_generate_with_a_created_model_and_a_prompts_file(
             "this engine serves at most 15 prompt tokens",
         ),
         (["generate", "--prompt", "x", "--set", "model.path=/nonexistent"], "/nonexistent"),
+        (
+            ["generate", "--prompt", "x", "-tp", "0"],
+            "--tensor-parallel-size 0: expected a whole number of ranks, 1 or more",
+        ),
+        (
+            ["generate", "--prompt", "x", "--set", "executor.tensor_parallel_size=0"],
+            "tensor_parallel_size",
+        ),
         (["model", "create", "--arch", "gpt2", "--out", "x"], "gpt2"),
         pytest.param(
             ["generate", "--prompt", "x", "--set", 'executor.plugin="cuda-graph"'],
@@ -88,6 +96,28 @@ def test_user_errors_are_one_line_messages(
     assert err.splitlines()[-1].startswith("brigade: error: ")
     assert message in err.splitlines()[-1]
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("flag", ["-tp", "--tensor-parallel-size"])
+def test_generate_takes_the_tensor_parallel_size(
+    flag: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import brigade.llm
+    from brigade.config import load_config
+    from brigade.errors import BrigadeError
+    from brigade.registry import default_registry
+
+    given: list[list[str]] = []
+
+    def fake_llm(config: str | None, overrides: list[str]) -> None:
+        given.append(overrides)
+        raise BrigadeError("stopped before loading")
+
+    monkeypatch.setattr(brigade.llm, "LLM", fake_llm)
+    assert main(["generate", "--prompt", "x", flag, "2"]) == 2
+    assert "stopped before loading" in capsys.readouterr().err
+    config = load_config(None, default_registry(), overrides=given[0], environ={})
+    assert config["executor"].options.tensor_parallel_size == 2
 
 
 def test_console_script_is_installed() -> None:

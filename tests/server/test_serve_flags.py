@@ -86,6 +86,7 @@ ALIAS_CASES = [
     (["--no-enable-chunked-prefill"], "scheduler.enable_chunked_prefill", False),
     (["--scheduling-policy", "priority"], "scheduler.plugin", "priority"),
     (["--device", "cpu"], "executor.device", "cpu"),
+    (["-tp", "2"], "executor.tensor_parallel_size", 2),
     (["--pooler-config", '{"pooling_type": "MEAN"}'], "server.embedding_pooling", "mean"),
 ]
 
@@ -171,6 +172,8 @@ def test_lengths_read_as_vllm_reads_them(served: list, given: str, expected: int
         (["--pooler-config", '{"normalize": false}'], "server.embedding_normalize=false"),
         (["--pooler-config", "MEAN"], "expected a JSON object"),
         (["--served-model-name", "a", "b"], "Brigade serves one model name"),
+        (["-tp", "0"], "--tensor-parallel-size 0: expected a whole number of ranks, 1 or more"),
+        (["--tensor-parallel-size", "two"], "expected a whole number of ranks"),
         (["--served-model-name", "tiny", "./model.gguf"], "put MODEL before the flags"),
         (["M", "--model", "N"], "give the model once"),
         (["--config", "vllm.yaml"], "Brigade reads a TOML config, not vLLM's YAML"),
@@ -200,7 +203,7 @@ def test_every_refused_vllm_flag_names_itself_and_exits_2(
 def test_refused_reasons_name_the_brigade_equivalent() -> None:
     reasons = dict(REFUSED)
     assert "[kv] memory_fraction" in reasons["--gpu-memory-utilization"]
-    assert "tensor parallelism is not implemented yet" in reasons["-tp"]
+    assert "pipeline parallelism is not implemented yet" in reasons["-pp"]
     assert "[grammar] station" in reasons["--guided-decoding-backend"]
 
 
