@@ -100,7 +100,12 @@ def _build_parser() -> argparse.ArgumentParser:
     generate = commands.add_parser("generate", help="generate offline (greedy by default)")
     generate.add_argument("--config", help="TOML config (omit for the defaults)")
     _add_override_flag(generate)
-    serve_args.add_alias_flags(generate, "--tensor-parallel-size")
+    serve_args.add_alias_flags(
+        generate,
+        "--tensor-parallel-size",
+        "--data-parallel-size",
+        "--distributed-executor-backend",
+    )
     generate.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     generate.add_argument(
         "--chat",

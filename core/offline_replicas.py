@@ -83,13 +83,14 @@ def generate_on_replicas(
     params: SamplingParams,
     *,
     chat: bool = False,
-    backend: str = "mp",
 ) -> list[ReplicaResult]:
     """Run ``prompts`` on ``[router] data_parallel_size`` replicas; one result per replica
-    that got prompts. ``backend``: ``mp`` (local processes) or ``ray`` (Ray actors in a
-    placement group, on the cluster ``RAY_ADDRESS`` names, else a local one)."""
+    that got prompts. They run where ``[executor] distributed_executor_backend`` says: ``mp``
+    (local processes) or ``ray`` (Ray actors in a placement group, on the cluster
+    ``RAY_ADDRESS`` names, else a local one)."""
     registry = default_registry()
     config = load_config(config_path, registry, overrides=overrides)
+    backend = getattr(config["executor"].options, "distributed_executor_backend", "mp")
     num_replicas = config["router"].settings.data_parallel_size
     placed = place_prompts(config, registry, prompts, num_replicas)
     threads = _threads_per_replica(config, num_replicas)

@@ -128,6 +128,17 @@ def _rank_count(text: str) -> int:
     return count
 
 
+def _executor_backend(text: str) -> str:
+    if text in ("mp", "uni"):
+        return "mp"
+    if text == "ray":
+        return "ray"
+    raise ValueError(
+        "expected mp, uni or ray (external_launcher, torchrun starting every rank itself, is "
+        "not supported: Brigade starts its ranks)"
+    )
+
+
 def _gib(text: str) -> float:
     try:
         value = float(text)
@@ -374,6 +385,23 @@ FLAGS: tuple[ServeFlag, ...] = (
         parse=_rank_count,
         metavar="N",
     ),
+    _alias(
+        ("--data-parallel-size", "-dp"),
+        "router.data_parallel_size",
+        "engine replicas behind the router station, each in its own process with its share of "
+        "the cores (docs/distributed.md)",
+        parse=_rank_count,
+        metavar="N",
+    ),
+    _alias(
+        "--distributed-executor-backend",
+        "executor.distributed_executor_backend",
+        "where tensor-parallel ranks and generate's replicas run: mp (processes on this "
+        "machine; vLLM's uni means the same here) or ray (actors on a Ray cluster); vLLM's "
+        "external_launcher is refused",
+        parse=_executor_backend,
+        metavar="BACKEND",
+    ),
     # vLLM's meaning is already Brigade's behaviour.
     _accepted(
         "--trust-remote-code",
@@ -438,17 +466,7 @@ FLAGS: tuple[ServeFlag, ...] = (
     ),
     # vLLM features Brigade does not have.
     _refused(("--pipeline-parallel-size", "-pp"), "pipeline parallelism is not implemented yet"),
-    _refused(
-        ("--data-parallel-size", "-dp"),
-        "data parallelism is not implemented yet: run one brigade serve per device behind a "
-        "load balancer",
-    ),
     _refused(("--enable-expert-parallel", "-ep"), "expert parallelism is not implemented yet"),
-    _refused(
-        "--distributed-executor-backend",
-        "tensor-parallel ranks always run as processes on this machine (vLLM's mp); other "
-        "backends (ray) are not implemented yet",
-    ),
     _refused("--headless", "there is no multi-node mode"),
     _refused(("--api-server-count", "-asc"), "Brigade runs one API server in one process"),
     _refused(

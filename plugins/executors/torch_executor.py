@@ -106,6 +106,14 @@ class TorchExecutorOptions:
         "by them (KV heads are then replicated); not with compile (docs/distributed.md)",
         ge=1,
     )
+    distributed_executor_backend: str = option(
+        "mp",
+        help="where ranks 1..N-1 of tensor_parallel_size (and the replicas of brigade generate "
+        "--data-parallel-size) run: mp = processes on this machine; ray = Ray actors in a "
+        "placement group on the cluster RAY_ADDRESS names (else a local one); needs the ray "
+        "extra (docs/distributed.md)",
+        choices=("mp", "ray"),
+    )
 
 
 def resolve_device(name: str) -> torch.device:
@@ -232,7 +240,12 @@ class TorchExecutor(Executor):
         architecture = check_split(architecture, hf_config, tp.size, compile=options.compile)
         if tp.rank == 0:  # the checks above ran before any process starts
             self._device = rank_device(self.device, 0, tp.size)
-            self.ranks, tp = start_ranks(self.params, options, self.device, tp.size)
+            launcher = None
+            if options.distributed_executor_backend == "ray":
+                from brigade.plugins.executors.tp_ray import RayLauncher
+
+                launcher = RayLauncher()
+            self.ranks, tp = start_ranks(self.params, options, self.device, tp.size, launcher)
             self.tp = tp
             # An executor dropped without shutdown() still stops its ranks.
             weakref.finalize(self, self.ranks.stop)

@@ -47,6 +47,7 @@ __all__ = [
     "RankSpec",
     "encode",
     "join_group",
+    "poll_connections",
 ]
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=300)
@@ -71,10 +72,15 @@ class RankSpec:
     slices of the weights)."""
     options: TorchExecutorOptions
     """Rank 0's options with this rank's ``device``."""
+    store_host: str = "127.0.0.1"
+    """Address of rank 0's rendezvous store (its node's, when ranks run on other nodes)."""
 
 
 class RankLauncher(abc.ABC):
     """Starts ranks 1..N-1 and carries rank 0's messages to them; knows whether they live."""
+
+    host: str = "127.0.0.1"
+    """The address the other ranks reach rank 0 at (its rendezvous store, its collectives)."""
 
     @abc.abstractmethod
     def start(self, specs: list[RankSpec]) -> None:
@@ -124,17 +130,7 @@ class ProcessLauncher(RankLauncher):
             connection.send_bytes(message)
 
     def poll(self, timeout_s: float) -> list[tuple[int, Any]]:
-        from multiprocessing.connection import wait
-
-        replies = []
-        for ready in wait(self.connections, timeout_s):
-            connection = cast("Connection", ready)
-            try:
-                message = pickle.loads(connection.recv_bytes())
-            except (EOFError, OSError):
-                continue  # the rank exited; dead() says how
-            replies.append((self.connections.index(connection) + 1, message))
-        return replies
+        return poll_connections(self.connections, timeout_s)
 
     def dead(self) -> str | None:
         for rank, process in enumerate(self.processes, start=1):
@@ -158,6 +154,23 @@ class ProcessLauncher(RankLauncher):
         for connection in self.connections:
             connection.close()
         self.processes, self.connections = [], []
+
+
+def poll_connections(connections: list[Connection], timeout_s: float) -> list[tuple[int, Any]]:
+    """Replies waiting on ``connections`` (``connections[i]`` is rank ``i + 1``'s), waiting up
+    to ``timeout_s`` for one; a closed connection is skipped (the launcher's ``dead`` says
+    how its rank ended)."""
+    from multiprocessing.connection import wait
+
+    replies = []
+    for ready in wait(connections, timeout_s):
+        connection = cast("Connection", ready)
+        try:
+            message = pickle.loads(connection.recv_bytes())
+        except (EOFError, OSError):
+            continue
+        replies.append((connections.index(connection) + 1, message))
+    return replies
 
 
 class RankGroup:
@@ -251,15 +264,16 @@ def encode(message: Any) -> bytes:
     return buffer.getvalue()
 
 
-def join_group(backend: str, store: Any, rank: int, size: int) -> Any:
-    """This rank's ``ProcessGroup`` (blocks until every rank has joined). A group object of
-    its own rather than torch.distributed's default group, which a process has only one of."""
+def join_group(backend: str, store: Any, rank: int, size: int, host: str = "127.0.0.1") -> Any:
+    """This rank's ``ProcessGroup`` (blocks until every rank has joined); ``host``: the
+    address the others reach this rank at. A group object of its own rather than
+    torch.distributed's default group, which a process has only one of."""
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = COLLECTIVE_TIMEOUT
         return dist.ProcessGroupNCCL(store, rank, size, options)
-    # The options form is the one that takes a device: loopback, whatever the hostname says.
+    # The options form is the one that takes a device: ``host``, whatever the hostname says.
     options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     options._timeout = COLLECTIVE_TIMEOUT
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
     return dist.ProcessGroupGloo(store, rank, size, options)

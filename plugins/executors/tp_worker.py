@@ -92,9 +92,10 @@ def start_ranks(
     0's ``TorchExecutorOptions`` (typed Any: mypy reads torch_executor under two module names,
     its path's and the package's)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
+    launcher = launcher or ProcessLauncher()
     # Port 0: the store takes a free port, which the ranks are told.
     store = dist.TCPStore(
-        "127.0.0.1", 0, size, is_master=True, wait_for_workers=False, timeout=COLLECTIVE_TIMEOUT
+        launcher.host, 0, size, is_master=True, wait_for_workers=False, timeout=COLLECTIVE_TIMEOUT
     )
     specs = [
         RankSpec(
@@ -104,16 +105,17 @@ def start_ranks(
             backend,
             params,
             dataclasses.replace(options, device=str(rank_device(device, rank, size))),
+            launcher.host,
         )
         for rank in range(1, size)
     ]
-    group = RankGroup(launcher or ProcessLauncher(), size)
+    group = RankGroup(launcher, size)
     try:
         group.launcher.start(specs)
         group.wait("hello")
         if backend == "nccl":  # NCCL works on the current device: rank 0's is the first
             torch.cuda.set_device(device)
-        process_group = join_group(backend, store, 0, size)
+        process_group = join_group(backend, store, 0, size, launcher.host)
     except BaseException:
         group.stop()
         raise
@@ -126,19 +128,20 @@ class RankWorker:
     Transport-free, so a launcher other than processes (Ray actors) can host it: it is
     handed each message rank 0 sent, in order."""
 
-    def __init__(self, spec: RankSpec) -> None:
+    def __init__(self, spec: RankSpec, host: str = "127.0.0.1") -> None:
+        """``host``: the address the other ranks reach this one at."""
         from brigade.plugins.executors.torch_executor import TorchExecutor
 
         if spec.backend == "nccl":
             torch.cuda.set_device(torch.device(spec.options.device))
         store = dist.TCPStore(
-            "127.0.0.1",
+            spec.store_host,
             spec.store_port,
             spec.world_size,
             is_master=False,
             timeout=COLLECTIVE_TIMEOUT,
         )
-        group = join_group(spec.backend, store, spec.rank, spec.world_size)
+        group = join_group(spec.backend, store, spec.rank, spec.world_size, host)
         if spec.options.num_threads == 0 and spec.options.device == "cpu":
             torch.set_num_threads(cpu_threads(spec.world_size))
         tp = TensorParallel(spec.rank, spec.world_size, group)
@@ -155,16 +158,16 @@ class RankWorker:
         return True
 
 
-def run_rank(spec: RankSpec, connection: Connection) -> None:
-    """A rank's process (:class:`ProcessLauncher`): a :class:`RankWorker` fed from the pipe
-    until rank 0 says stop or its end of the pipe closes."""
+def run_rank(spec: RankSpec, connection: Connection, host: str = "127.0.0.1") -> None:
+    """A rank's process (:class:`ProcessLauncher`) or actor (``RayLauncher``): a
+    :class:`RankWorker` fed from the connection until rank 0 says stop or its end closes."""
 
     def reply(kind: str, detail: Any = None) -> None:
         connection.send_bytes(pickle.dumps((kind, detail)))
 
     try:
         reply("hello")
-        worker = RankWorker(spec)
+        worker = RankWorker(spec, host)
         reply("ready")
         while True:
             try:
