@@ -79,6 +79,14 @@ def test_generate_with_a_created_model_and_a_prompts_file(
             ["generate", "--prompt", "x", "--set", "executor.tensor_parallel_size=0"],
             "tensor_parallel_size",
         ),
+        (
+            ["generate", "--prompt", "x", "-dp", "0"],
+            "--data-parallel-size 0: expected a whole number of ranks, 1 or more",
+        ),
+        (
+            ["generate", "--prompt", "x", "--distributed-executor-backend", "torchrun"],
+            "expected mp, uni or ray",
+        ),
         (["model", "create", "--arch", "gpt2", "--out", "x"], "gpt2"),
         pytest.param(
             ["generate", "--prompt", "x", "--set", 'executor.plugin="cuda-graph"'],

@@ -87,6 +87,8 @@ ALIAS_CASES = [
     (["--scheduling-policy", "priority"], "scheduler.plugin", "priority"),
     (["--device", "cpu"], "executor.device", "cpu"),
     (["-tp", "2"], "executor.tensor_parallel_size", 2),
+    (["-dp", "3"], "router.data_parallel_size", 3),
+    (["--distributed-executor-backend", "ray"], "executor.distributed_executor_backend", "ray"),
     (["--pooler-config", '{"pooling_type": "MEAN"}'], "server.embedding_pooling", "mean"),
 ]
 
@@ -174,6 +176,8 @@ def test_lengths_read_as_vllm_reads_them(served: list, given: str, expected: int
         (["--served-model-name", "a", "b"], "Brigade serves one model name"),
         (["-tp", "0"], "--tensor-parallel-size 0: expected a whole number of ranks, 1 or more"),
         (["--tensor-parallel-size", "two"], "expected a whole number of ranks"),
+        (["-dp", "0"], "--data-parallel-size 0: expected a whole number of ranks, 1 or more"),
+        (["--distributed-executor-backend", "external_launcher"], "expected mp, uni or ray"),
         (["--served-model-name", "tiny", "./model.gguf"], "put MODEL before the flags"),
         (["M", "--model", "N"], "give the model once"),
         (["--config", "vllm.yaml"], "Brigade reads a TOML config, not vLLM's YAML"),
