@@ -17,18 +17,20 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import queue
 import threading
-from collections.abc import AsyncGenerator, Callable, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 
 from brigade.admission import Admission
 from brigade.engine import EngineCore, EngineStats, StepUpdate
 from brigade.errors import EngineDeadError, RequestError, RequestFailedError
-from brigade.interfaces import EMPTY_EXTRA, ExtraValue, SamplingParams
+from brigade.interfaces import EMPTY_EXTRA, ExtraValue, PoolingParams, SamplingParams
 from brigade.sampling_stage import describe
+from brigade.server.engine_protocol import EngineInfo, engine_info
 from brigade.server.errors import EngineOverloadedError, EngineUnavailableError
 
-__all__ = ["AsyncEngine", "EngineOverloadedError", "EngineUnavailableError"]
+__all__ = ["AsyncEngine", "EngineOverloadedError", "EngineUnavailableError", "RequestStreams"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,38 +59,41 @@ class _AbortAll:
 _Command = _Add | _Abort | _AbortAll | None
 
 
-class AsyncEngine:
-    """Runs ``EngineCore.step`` in a loop on a worker thread; requests stream back to asyncio.
+class RequestStreams:
+    """The event-loop side shared by :class:`AsyncEngine` (engine thread) and
+    ``EngineClient`` (engine process): the bounded waiting queue, the per-request streams
+    and the rules of what a failure raises. A subclass submits and aborts."""
 
-    ``on_dead(reason)`` is called on the engine thread once, when the engine dies.
-    """
+    info: EngineInfo
+    """What the front end knows about the engine (fixed for its life)."""
+    snapshot: EngineStats
+    """Engine counters as of the latest step (read by /health and /metrics)."""
 
     def __init__(
-        self,
-        engine: EngineCore,
-        *,
-        max_waiting_requests: int,
-        on_dead: Callable[[str], None] | None = None,
+        self, *, max_waiting_requests: int, on_dead: Callable[[str], None] | None = None
     ) -> None:
-        self.engine = engine
         self.max_waiting_requests = max_waiting_requests
         self.on_dead = on_dead
-        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
-        self._streams: dict[str, _Add] = {}
         self._num_unstarted = 0
         """Requests submitted that have not produced a token yet (the bounded queue)."""
         self._num_active = 0
         """``generate`` calls in progress."""
-        self._wake = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="brigade-engine", daemon=True)
         self._stopped = False
         self.dead: str | None = None
         """Why the engine died (None while it runs)."""
-        self.snapshot: EngineStats = engine.stats()
-        """Engine counters as of the latest step (read by /health and /metrics)."""
-        self._thread.start()
 
-    # -- event-loop side ----------------------------------------------------------------
+    def admit(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        pooling: PoolingParams | None = None,
+    ) -> Admission:
+        """``EngineCore.admit``'s checks for a prompt (``RequestError`` naming the field)."""
+        raise NotImplementedError
+
+    async def start(self) -> None:
+        """Called on the server's event loop before it serves."""
 
     def check_capacity(self, num_requests: int = 1) -> None:
         """Raise ``EngineOverloadedError`` unless ``num_requests`` more may wait now."""
@@ -117,8 +122,8 @@ class AsyncEngine:
         """Submit an admitted prompt with ``params`` and yield its updates; leaving early
         aborts it in the engine. ``extra`` becomes the request's ``Request.extra``.
 
-        ``admission`` is ``EngineCore.admit``'s for the prompt (``params`` are its
-        parameters, or a fan-out child's): the engine does not check the request again.
+        ``admission`` is :meth:`admit`'s for the prompt (``params`` are its parameters, or a
+        fan-out child's): the engine does not check the request again.
         Before its first update a failure raises: ``RequestError`` (the request is invalid),
         ``RequestFailedError`` (a plugin failed for it) or ``EngineDeadError``. After it, a
         failure of this request alone arrives as its last update, with ``error`` set.
@@ -127,13 +132,12 @@ class AsyncEngine:
         """
         self.check_capacity(1 if check_queue else 0)
         sink: asyncio.Queue[StepUpdate | BaseException] = asyncio.Queue()
-        loop = asyncio.get_running_loop()
         self._num_unstarted += 1
         self._num_active += 1
         started = False
         finished = False
         try:
-            self._send(_Add(request_id, admission, params, priority, sink, loop, extra))
+            self._submit(request_id, admission, params, priority, extra, sink)
             if self.dead is not None:  # it died as we sent: nobody may be left to answer
                 finished = True
                 raise EngineDeadError(self.dead)
@@ -145,7 +149,7 @@ class AsyncEngine:
                 if item.error is not None and not started:
                     finished = True
                     if item.invalid:
-                        raise RequestError(item.error)
+                        raise RequestError(item.error, param=item.error_param)
                     raise RequestFailedError(item.error)
                 if not started:
                     started = True
@@ -161,13 +165,29 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
 
+    def _submit(
+        self,
+        request_id: str,
+        admission: Admission,
+        params: SamplingParams,
+        priority: int,
+        extra: Mapping[str, ExtraValue],
+        sink: asyncio.Queue[StepUpdate | BaseException],
+    ) -> None:
+        """Hand the request to the engine; its updates (or its failure) go to ``sink``."""
+        raise NotImplementedError
+
     def abort(self, request_id: str) -> None:
         """Stop a request (no-op if it already finished)."""
-        self._send(_Abort(request_id))
+        raise NotImplementedError
 
     def abort_all(self) -> None:
         """End every request now: streams finish with reason ``abort`` (shutdown timeout)."""
-        self._send(_AbortAll())
+        raise NotImplementedError
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop talking to the engine (and stop it, when this front end owns it)."""
+        raise NotImplementedError
 
     @property
     def num_unstarted(self) -> int:
@@ -177,6 +197,62 @@ class AsyncEngine:
     def num_in_flight(self) -> int:
         """Requests submitted and not yet finished (their streams still open)."""
         return self._num_active
+
+
+class AsyncEngine(RequestStreams):
+    """Runs ``EngineCore.step`` in a loop on a worker thread; requests stream back to asyncio.
+
+    ``on_dead(reason)`` is called on the engine thread once, when the engine dies.
+    """
+
+    def __init__(
+        self,
+        engine: EngineCore,
+        *,
+        max_waiting_requests: int,
+        on_dead: Callable[[str], None] | None = None,
+    ) -> None:
+        super().__init__(max_waiting_requests=max_waiting_requests, on_dead=on_dead)
+        self.engine = engine
+        self.info = engine_info(engine, os.getpid())
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._streams: dict[str, _Add] = {}
+        self._wake = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="brigade-engine", daemon=True)
+        self.snapshot: EngineStats = engine.stats()
+        """Engine counters as of the latest step (read by /health and /metrics)."""
+        self._thread.start()
+
+    # -- event-loop side ----------------------------------------------------------------
+
+    def admit(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        pooling: PoolingParams | None = None,
+    ) -> Admission:
+        return self.engine.admit(prompt_token_ids, params, pooling=pooling)
+
+    def _submit(
+        self,
+        request_id: str,
+        admission: Admission,
+        params: SamplingParams,
+        priority: int,
+        extra: Mapping[str, ExtraValue],
+        sink: asyncio.Queue[StepUpdate | BaseException],
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        self._send(_Add(request_id, admission, params, priority, sink, loop, extra))
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (no-op if it already finished)."""
+        self._send(_Abort(request_id))
+
+    def abort_all(self) -> None:
+        """End every request now: streams finish with reason ``abort`` (shutdown timeout)."""
+        self._send(_AbortAll())
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stop the worker thread after its current step."""

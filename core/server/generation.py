@@ -61,7 +61,7 @@ async def start_chat(
     params = proto.sampling_params(
         body,
         default_max_tokens=max(1, state.max_model_len - len(prompt)),
-        defaults=state.async_engine.engine.sampling_defaults,
+        defaults=state.async_engine.info.sampling_defaults,
     )
     calls_tools = body.tool_choice_spec() is not None
     grammar_param = "tools" if calls_tools else body.grammar_param()
@@ -80,6 +80,7 @@ async def start_chat(
             response_id, admission, priority=body.priority or 0, extra=body.extra()
         ),
         prompt_param="messages",
+        grammar_param=grammar_param,
     )
     return ChatRun(prompt, params, deltas, calls_tools, response_id)
 
@@ -133,7 +134,7 @@ async def completion(
     params = proto.sampling_params(
         body,
         default_max_tokens=max(1, state.max_model_len - longest),  # an explicit null
-        defaults=state.async_engine.engine.sampling_defaults,
+        defaults=state.async_engine.info.sampling_defaults,
     )
     admissions = []
     for index, prompt in enumerate(prompts):
@@ -167,6 +168,7 @@ async def completion(
             ]
         ),
         prompt_param="prompt",
+        grammar_param=body.grammar_param(),
     )
     prompt_tokens = sum(len(p) for p in prompts)
     want_logprobs = params.logprobs is not None
@@ -267,7 +269,7 @@ def _admission(
     naming the field (``prompt_param`` for the prompt, ``grammar_param`` for the grammar; a
     batch's message names the prompt's ``index``)."""
     try:
-        return state.async_engine.engine.admit(prompt, params)
+        return state.async_engine.admit(prompt, params)
     except RequestError as exc:
         param = {None: prompt_param, "prompt": prompt_param, "structured_output": grammar_param}
         message = str(exc) if index is None else f"prompt {index}: {exc}"
@@ -307,7 +309,7 @@ async def _await_grammar(state: ServerState, admissions: Sequence[Admission], pa
 
 
 async def _first(
-    stream: AsyncGenerator[ChoiceDelta, None], *, prompt_param: str
+    stream: AsyncGenerator[ChoiceDelta, None], *, prompt_param: str, grammar_param: str
 ) -> AsyncGenerator[ChoiceDelta, None]:
     """Wait for the first output, so a refused request becomes an HTTP error, not a stream.
 
@@ -326,6 +328,8 @@ async def _first(
             error = api_error(failed[0].error) or InternalServerError()
             if error.param == "prompt":
                 error.param = prompt_param
+            elif error.param == "structured_output":  # compiled in the engine process
+                error.param = grammar_param
             raise error from None
         raise InternalServerError("The engine produced no output.") from None
     except BaseException:
