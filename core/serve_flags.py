@@ -328,6 +328,13 @@ FLAGS: tuple[ServeFlag, ...] = (
     ),
     _alias("--max-num-seqs", "scheduler.max_num_seqs", "most requests in one step", parse=_integer),
     _alias(
+        ("--api-server-count", "-asc"),
+        "server.api_server_count",
+        "HTTP front-end processes sharing the port, all feeding the one engine process",
+        parse=_integer,
+        metavar="N",
+    ),
+    _alias(
         "--max-num-batched-tokens",
         "scheduler.max_num_batched_tokens",
         "token budget of one step, shared by prefill chunks and decodes (2k, 8K as for "
@@ -433,7 +440,6 @@ FLAGS: tuple[ServeFlag, ...] = (
         "the executor",
     ),
     _refused("--headless", "there is no multi-node mode"),
-    _refused(("--api-server-count", "-asc"), "Brigade runs one API server in one process"),
     _refused(
         ("--quantization", "-q"),
         "quantized inference is not implemented yet; a quantized GGUF file is dequantized on "

@@ -65,6 +65,7 @@ class BrigadeServer(uvicorn.Server):
 
     async def serve(self, sockets: list[object] | None = None) -> None:  # type: ignore[override]
         self._loop = asyncio.get_running_loop()
+        await self.state.async_engine.start()
         if self.state.async_engine.dead is not None:  # it died while the server started
             self._engine_dead(self.state.async_engine.dead)
         await super().serve(sockets)  # type: ignore[arg-type]
@@ -100,7 +101,8 @@ class BrigadeServer(uvicorn.Server):
             self._loop.call_soon_threadsafe(self._start_drain, sig)
 
     def engine_died(self, reason: str) -> None:
-        """Called on the engine thread when the engine dies."""
+        """Called when the engine dies (on the engine thread, or on the event loop when the
+        engine is another process)."""
         self.exit_code = EXIT_ENGINE_DEAD
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._engine_dead, reason)
