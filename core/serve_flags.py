@@ -328,6 +328,13 @@ FLAGS: tuple[ServeFlag, ...] = (
     ),
     _alias("--max-num-seqs", "scheduler.max_num_seqs", "most requests in one step", parse=_integer),
     _alias(
+        "--disable-frontend-multiprocessing",
+        "server.engine_process",
+        "the HTTP server and the engine share one process (the engine steps on a thread)",
+        arity="switch",
+        parse=lambda _: False,
+    ),
+    _alias(
         ("--api-server-count", "-asc"),
         "server.api_server_count",
         "HTTP front-end processes sharing the port, all feeding the one engine process",
@@ -409,10 +416,6 @@ FLAGS: tuple[ServeFlag, ...] = (
     _accepted(
         "--disable-uvicorn-access-log",
         "uvicorn runs at log level warning, so it writes no access log",
-    ),
-    _accepted(
-        "--disable-frontend-multiprocessing",
-        "the HTTP server and the engine share one process (the engine steps on a thread)",
     ),
     _accepted("--disable-custom-all-reduce", "Brigade runs on one device: there is no all-reduce"),
     _accepted(

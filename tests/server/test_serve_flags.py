@@ -87,6 +87,9 @@ ALIAS_CASES = [
     (["--scheduling-policy", "priority"], "scheduler.plugin", "priority"),
     (["--device", "cpu"], "executor.device", "cpu"),
     (["--pooler-config", '{"pooling_type": "MEAN"}'], "server.embedding_pooling", "mean"),
+    (["--api-server-count", "3"], "server.api_server_count", 3),
+    (["-asc", "2"], "server.api_server_count", 2),
+    (["--disable-frontend-multiprocessing"], "server.engine_process", False),
 ]
 
 
