@@ -189,8 +189,10 @@ def run_frontend_process(
     the engine at ``address``."""
     os.setpgrp()  # signals come from the supervisor, not from the terminal
     watch_parent(parent_pid)
+    from brigade.assemble import open_model
     from brigade.config import load_config
     from brigade.errors import EngineDeadError
+    from brigade.models.checkpoint import require_tokenizer
     from brigade.registry import default_registry
     from brigade.server.engine_client import EngineClient
     from brigade.server.logs import configure_logging
@@ -201,6 +203,8 @@ def run_frontend_process(
     registry = default_registry()
     config = load_config(config_path, registry, overrides=overrides)
     settings = config["server"].settings
+    checkpoint = open_model(config)
+    require_tokenizer(checkpoint)  # read while the engine loads its weights
     try:
         client = EngineClient.connect(
             address,
@@ -211,5 +215,5 @@ def run_frontend_process(
     except EngineDeadError as exc:
         log.critical("engine_dead", reason=str(exc), exit_code=EXIT_ENGINE_DEAD)
         sys.exit(EXIT_ENGINE_DEAD)
-    state = frontend_state(config, registry, client)
+    state = frontend_state(config, registry, client, checkpoint)
     sys.exit(run_http(state, config, sock, announce=index == 0))
