@@ -179,6 +179,8 @@ class EngineClient(RequestStreams):
             extra=extra,
             pooling=admission.pooling,
         )
+        if self._socket is None:
+            raise EngineDeadError("this front end is not connected to the engine")
         self._streams[request_id] = (request, sink)
         command = wire.AddRequest(
             request_id,
@@ -218,9 +220,8 @@ class EngineClient(RequestStreams):
         self._socket = None
 
     def _send(self, message: wire.ToEngine) -> None:
-        if self._socket is None:
-            raise EngineDeadError("the front end is not connected to the engine")
-        self._socket.send(wire.encode(message), copy=False)
+        if self._socket is not None:  # else shut down: the engine forgot this front end
+            self._socket.send(wire.encode(message), copy=False)
 
     async def _receive(self) -> None:
         socket = self._socket
@@ -278,7 +279,7 @@ class EngineClient(RequestStreams):
 
     def _engine_exited(self) -> None:
         if self._pidfd is not None:
-            asyncio.get_event_loop().remove_reader(self._pidfd)
+            asyncio.get_running_loop().remove_reader(self._pidfd)
         self._die(f"the engine process (pid {self.info.pid}) exited")
 
     def _die(self, reason: str) -> None:

@@ -22,6 +22,7 @@ from brigade.server import protocol as proto
 from brigade.server import responses as out
 from brigade.server import streaming
 from brigade.server.errors import (
+    APIError,
     InternalServerError,
     ProtocolError,
     ServerOverloadedError,
@@ -75,7 +76,9 @@ async def start_chat(
     _charge(state, request, [prompt], params)
     await _await_grammar(state, [admission], grammar_param)
     response_id = out.new_chat_id()
-    deltas = await _first(
+    deltas = await _first_output(
+        state,
+        [admission],
         state.frontend.generate(
             response_id, admission, priority=body.priority or 0, extra=body.extra()
         ),
@@ -154,7 +157,9 @@ async def completion(
     await _await_grammar(state, admissions, body.grammar_param())
     response_id = out.new_completion_id()
     priority = body.priority or 0
-    deltas = await _first(
+    deltas = await _first_output(
+        state,
+        admissions,
         streaming.merge(
             [
                 state.frontend.generate(
@@ -295,7 +300,7 @@ async def _await_grammar(state: ServerState, admissions: Sequence[Admission], pa
     """Wait for the grammar the admission started compiling (off the engine's step loop):
     an invalid one is a 400 naming ``param``, before any token is generated."""
     spec = admissions[0].params.structured_output
-    if spec is None:
+    if spec is None or admissions[0].grammar is None:  # none, or compiled by the engine process
         return
     started = time.monotonic()
     try:
@@ -306,6 +311,29 @@ async def _await_grammar(state: ServerState, admissions: Sequence[Admission], pa
         state.metrics.observe_grammar(spec.kind, time.monotonic() - started, valid=False)
         raise ProtocolError(str(exc), param=param) from None
     state.metrics.observe_grammar(spec.kind, time.monotonic() - started, valid=True)
+
+
+async def _first_output(
+    state: ServerState,
+    admissions: Sequence[Admission],
+    stream: AsyncGenerator[ChoiceDelta, None],
+    *,
+    prompt_param: str,
+    grammar_param: str,
+) -> AsyncGenerator[ChoiceDelta, None]:
+    """:func:`_first`, counting the request's grammar when it compiles in the engine process
+    (there the first output is where an invalid one shows; the wait is not observed)."""
+    spec = admissions[0].params.structured_output
+    if spec is None or admissions[0].grammar is not None:  # none, or _await_grammar's
+        return await _first(stream, prompt_param=prompt_param, grammar_param=grammar_param)
+    try:
+        deltas = await _first(stream, prompt_param=prompt_param, grammar_param=grammar_param)
+    except APIError as error:
+        if error.param == grammar_param:
+            state.metrics.observe_grammar(spec.kind, None, valid=False)
+        raise
+    state.metrics.observe_grammar(spec.kind, None, valid=True)
+    return deltas
 
 
 async def _first(
