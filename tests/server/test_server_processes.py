@@ -108,3 +108,12 @@ def test_a_killed_engine_is_seen_at_once_and_the_server_exits_1_leaving_nothing(
     assert sorted(line["frontend"] for line in log_events(log, "engine_dead")) == [0, 1]
     for pid in (engine_pid, *frontend_pids):
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie", pid
+
+
+def test_several_front_ends_need_the_engine_process() -> None:
+    from brigade.errors import ConfigError
+    from brigade.server.serve import serve
+
+    overrides = ["server.api_server_count=2", "server.engine_process=false"]
+    with pytest.raises(ConfigError, match=r"api_server_count = 2 needs .*engine_process = true"):
+        serve(None, overrides)
