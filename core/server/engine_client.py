@@ -33,7 +33,7 @@ from brigade.errors import EngineDeadError, RequestError
 from brigade.interfaces import ExtraValue, PoolingParams, Request, RequestStatus, SamplingParams
 from brigade.sampling_stage import TokenLogprob
 from brigade.server import engine_protocol as wire
-from brigade.server.async_engine import RequestStreams
+from brigade.server.request_streams import RequestStreams
 
 __all__ = ["EngineClient"]
 

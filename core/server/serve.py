@@ -16,13 +16,14 @@ from brigade.interfaces import Checkpoint
 from brigade.models.checkpoint import require_tokenizer
 from brigade.registry import Registry, default_registry
 from brigade.server.app import ServerState, create_app
-from brigade.server.async_engine import AsyncEngine, RequestStreams
+from brigade.server.async_engine import AsyncEngine
 from brigade.server.frontend import Frontend
 from brigade.server.http import GuardedH11Protocol, ThrottledWarnings
 from brigade.server.lifecycle import ABORT_GRACE_S, BrigadeServer
 from brigade.server.logs import configure_logging
 from brigade.server.metrics import ServerMetrics
 from brigade.server.ratelimit import RateLimiter
+from brigade.server.request_streams import RequestStreams
 from brigade.startup import startup_banner
 
 __all__ = ["build_state", "frontend_state", "run_http", "serve"]

@@ -13,10 +13,10 @@ from typing import Any, TypeVar
 import msgspec
 from litestar import Response
 
-from brigade.server.async_engine import RequestStreams
 from brigade.server.frontend import Frontend
 from brigade.server.metrics import ServerMetrics
 from brigade.server.ratelimit import RateLimiter
+from brigade.server.request_streams import RequestStreams
 from brigade.stations import ServerSettings
 
 __all__ = ["JSON", "TOKENIZER_THREADS", "ServerState", "json_response"]
