@@ -203,9 +203,7 @@ class EngineClient(RequestStreams):
         """Say goodbye (the engine aborts this front end's requests) and close the socket;
         the supervisor stops the engine once every front end has left."""
         self._stopped = True
-        if self._pidfd is not None:
-            with contextlib.suppress(Exception):  # the loop may be closed already
-                asyncio.get_event_loop().remove_reader(self._pidfd)
+        if self._pidfd is not None:  # its event loop has closed, with its reader
             os.close(self._pidfd)
             self._pidfd = None
         if self._socket is None or self._context is None:

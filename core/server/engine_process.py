@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 
+import torch
 import zmq
 
 from brigade.engine import EngineCore, StepUpdate
@@ -28,7 +29,13 @@ from brigade.interfaces import RequestStatus
 from brigade.sampling_stage import describe
 from brigade.server import engine_protocol as wire
 
-__all__ = ["STATS_INTERVAL_S", "EngineLoop", "run_engine_process", "watch_parent"]
+__all__ = [
+    "STATS_INTERVAL_S",
+    "EngineLoop",
+    "engine_threads",
+    "run_engine_process",
+    "watch_parent",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +58,14 @@ def watch_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="brigade-parent-watch", daemon=True).start()
 
 
+def engine_threads(num_frontends: int) -> int:
+    """torch's CPU threads in the engine process: the cores this process may use, less one
+    per front end. Front ends are busy while the engine steps (HTTP, detokenization); torch's
+    default (every core) would oversubscribe them, and its threads then wait on each other at
+    every op (measured: 0.34x the thread mode's tok/s on 2 cores; benchmarks/serve_process.py)."""
+    return max(1, len(os.sched_getaffinity(0)) - num_frontends)
+
+
 def run_engine_process(
     config_path: str | None, overrides: list[str], address: str, parent_pid: int
 ) -> None:
@@ -66,7 +81,8 @@ def run_engine_process(
     configure_logging()
     registry = default_registry()
     config = load_config(config_path, registry, overrides=overrides)
-    engine = EngineCore(config, registry)
+    torch.set_num_threads(engine_threads(config["server"].settings.api_server_count))
+    engine = EngineCore(config, registry)  # an executor's own num_threads option still wins
     print(startup_banner(engine), flush=True)
     context = zmq.Context()
     socket = context.socket(zmq.ROUTER)
