@@ -24,10 +24,11 @@ import torch
 import zmq
 
 from brigade.engine import EngineCore, StepUpdate
-from brigade.errors import EngineDeadError, RequestError, RequestFailedError
+from brigade.errors import BrigadeError, EngineDeadError, RequestError, RequestFailedError
 from brigade.interfaces import RequestStatus
 from brigade.sampling_stage import describe
 from brigade.server import engine_protocol as wire
+from brigade.server.lifecycle import EXIT_STARTUP_ERROR
 
 __all__ = [
     "STATS_INTERVAL_S",
@@ -79,10 +80,14 @@ def run_engine_process(
     from brigade.startup import startup_banner
 
     configure_logging()
-    registry = default_registry()
-    config = load_config(config_path, registry, overrides=overrides)
-    torch.set_num_threads(engine_threads(config["server"].settings.api_server_count))
-    engine = EngineCore(config, registry)  # an executor's own num_threads option still wins
+    try:
+        registry = default_registry()
+        config = load_config(config_path, registry, overrides=overrides)
+        torch.set_num_threads(engine_threads(config["server"].settings.api_server_count))
+        engine = EngineCore(config, registry)  # an executor's own num_threads option still wins
+    except BrigadeError as exc:  # the model or the config: what the CLI says for it, and 2
+        print(f"brigade: error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_STARTUP_ERROR)
     print(startup_banner(engine), flush=True)
     context = zmq.Context()
     socket = context.socket(zmq.ROUTER)

@@ -32,6 +32,7 @@ __all__ = [
     "DEAD_LINGER_S",
     "EXIT_ENGINE_DEAD",
     "EXIT_OK",
+    "EXIT_STARTUP_ERROR",
     "BrigadeServer",
 ]
 
@@ -39,6 +40,8 @@ EXIT_OK = 0
 """Stopped on a signal: every request finished or ended with ``abort``."""
 EXIT_ENGINE_DEAD = 1
 """The engine died; the server could no longer serve."""
+EXIT_STARTUP_ERROR = 2
+"""A config, model or port error before serving (the CLI's status for ``BrigadeError``)."""
 ABORT_GRACE_S = 5.0
 """After the shutdown timeout aborts the running requests, how long their answers may take to
 leave (and uvicorn's own wait for connections)."""

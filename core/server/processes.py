@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from brigade.server.engine_process import run_engine_process, watch_parent
-from brigade.server.lifecycle import DEAD_LINGER_S, EXIT_ENGINE_DEAD, EXIT_OK
+from brigade.server.lifecycle import DEAD_LINGER_S, EXIT_ENGINE_DEAD, EXIT_OK, EXIT_STARTUP_ERROR
 
 if TYPE_CHECKING:
     from brigade.config import EngineConfig
@@ -148,7 +148,9 @@ class Supervisor:
             return
         # The front ends see it too (pidfd): they answer 503, fail their requests and exit.
         log.critical("engine_process_exited", exit_code=code, pid=self.engine.pid)
-        self.exit_code = EXIT_ENGINE_DEAD
+        self.exit_code = max(
+            self.exit_code, EXIT_STARTUP_ERROR if code == EXIT_STARTUP_ERROR else EXIT_ENGINE_DEAD
+        )
         self._kill_deadline = time.monotonic() + FRONTEND_EXIT_S
 
     def _frontend_exited(self, index: int, code: int | None) -> None:
@@ -191,7 +193,7 @@ def run_frontend_process(
     watch_parent(parent_pid)
     from brigade.assemble import open_model
     from brigade.config import load_config
-    from brigade.errors import EngineDeadError
+    from brigade.errors import BrigadeError, EngineDeadError
     from brigade.models.checkpoint import require_tokenizer
     from brigade.registry import default_registry
     from brigade.server.engine_client import EngineClient
@@ -200,11 +202,15 @@ def run_frontend_process(
 
     configure_logging()
     structlog.contextvars.bind_contextvars(frontend=index)
-    registry = default_registry()
-    config = load_config(config_path, registry, overrides=overrides)
-    settings = config["server"].settings
-    checkpoint = open_model(config)
-    require_tokenizer(checkpoint)  # read while the engine loads its weights
+    try:
+        registry = default_registry()
+        config = load_config(config_path, registry, overrides=overrides)
+        settings = config["server"].settings
+        checkpoint = open_model(config)
+        require_tokenizer(checkpoint)  # read while the engine loads its weights
+    except BrigadeError as exc:  # the engine says the same; one line each is enough
+        print(f"brigade: error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_STARTUP_ERROR)
     try:
         client = EngineClient.connect(
             address,
