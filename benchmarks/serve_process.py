@@ -9,7 +9,9 @@ A random llama model is built in a temporary directory (``brigade model create``
 twice per round (``[server] engine_process`` false, then true) on 127.0.0.1; each run sends
 ``--streams`` streaming completions at once (greedy, EOS ignored, fixed prompts) and counts
 the streamed tokens. Prints tok/s per mode and the ratio process / thread (> 1: the process
-split is faster). Server start-up is not timed; a short warm-up request precedes each run.
+split is faster). Server start-up is not timed; a warm-up of the same width (8 tokens per
+stream) precedes each timed run. The client runs on the same machine: on few cores it takes
+a share of the CPU, so compare ratios from one invocation, not figures across machines.
 """
 
 from __future__ import annotations
@@ -77,6 +79,11 @@ def server(
         else:
             raise RuntimeError("the server did not start in time")
         yield base
+    except BaseException:
+        log.flush()
+        print(f"--- the server's log ({log.name}), last lines:", file=sys.stderr)
+        print(*Path(log.name).read_text().splitlines()[-30:], sep="\n", file=sys.stderr)
+        raise
     finally:
         process.send_signal(signal.SIGTERM)
         try:
@@ -111,7 +118,9 @@ async def one_stream(client: httpx.AsyncClient, base: str, index: int, tokens: i
 async def run(base: str, streams: int, tokens: int) -> float:
     limits = httpx.Limits(max_connections=streams + 8, max_keepalive_connections=streams + 8)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        await one_stream(client, base, 0, 4)  # warm-up
+        # Warm-up at full width: the first wide batches pay one-off costs (allocations,
+        # connection setup) that are not what is compared.
+        await asyncio.gather(*(one_stream(client, base, i, 8) for i in range(streams)))
         started = time.perf_counter()
         counts = await asyncio.gather(
             *(one_stream(client, base, i, tokens) for i in range(streams))
