@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +19,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from server_harness import running_server, server_log, tiny_model, tiny_server_config
+from server_harness import free_port, running_server, server_log, tiny_model, tiny_server_config
 
 ROUNDS = 10
 """Bounded: concurrent rounds until both front ends have answered."""
@@ -117,3 +118,23 @@ def test_several_front_ends_need_the_engine_process() -> None:
     overrides = ["server.api_server_count=2", "server.engine_process=false"]
     with pytest.raises(ConfigError, match=r"api_server_count = 2 needs .*engine_process = true"):
         serve(None, overrides)
+
+
+def test_a_model_that_cannot_load_is_a_startup_error_with_status_2(tmp_path: Path) -> None:
+    """The engine and the front end each say why in one line; nothing is left behind."""
+    missing = tmp_path / "no-such-model"
+    result = subprocess.run(
+        [sys.executable, "-m", "brigade", "serve", str(missing), "--port", str(free_port())],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    assert "brigade: error: " in output, output
+    assert str(missing) in output, output
+    assert "Traceback" not in output, output
+    engine_pid, frontend_pids = pids(output)
+    for pid in (engine_pid, *frontend_pids):
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie", pid
