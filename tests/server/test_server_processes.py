@@ -138,3 +138,15 @@ def test_a_model_that_cannot_load_is_a_startup_error_with_status_2(tmp_path: Pat
     engine_pid, frontend_pids = pids(output)
     for pid in (engine_pid, *frontend_pids):
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie", pid
+
+
+def test_the_engine_on_a_thread_is_one_process(tmp_path: Path) -> None:
+    """``--disable-frontend-multiprocessing`` ([server] engine_process = false)."""
+    config = tiny_server_config(tiny_model(tmp_path), max_model_len=64, num_pages=64)
+    args = ["--disable-frontend-multiprocessing"]
+    with running_server(config, tmp_path, args=args) as (base, process):
+        assert completion(base) == 4
+        assert psutil.Process(process.pid).children() == []
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+    assert not log_events(server_log(tmp_path, base), "processes_started")
