@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from brigade.interfaces import PoolingParams, RequestStatus, SamplingParams
+from brigade.interfaces import PoolingParams, SamplingParams
 
 if TYPE_CHECKING:
     from brigade.engine import EngineCore, EngineStats, StepUpdate
@@ -229,7 +229,3 @@ def engine_info(engine: EngineCore, pid: int) -> EngineInfo:
         executor=engine.config.plugin("executor"),
         pid=pid,
     )
-
-
-def status_of(update: RequestUpdate) -> RequestStatus:
-    return RequestStatus(update.status)
