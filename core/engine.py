@@ -91,6 +91,8 @@ class StepUpdate:
     its sampling distribution was undefined). Other requests are not affected."""
     invalid: bool = False
     """True when the request itself is at fault (it cannot succeed as sent)."""
+    error_param: str | None = None
+    """The request field an ``invalid`` error is about (``structured_output``), if known."""
     embedding: list[float] | None = None
     """An embedding request's vector, on its last update (``Request.pooling``)."""
 
@@ -584,7 +586,17 @@ class EngineCore:
             logger.warning("request %s refused: %s", request.request_id, error)
             request.status = RequestStatus.FINISHED_ABORTED
             self._leave(request)
-            self._pending.append(StepUpdate(request, [], None, True, error=error, invalid=True))
+            self._pending.append(
+                StepUpdate(
+                    request,
+                    [],
+                    None,
+                    True,
+                    error=error,
+                    invalid=True,
+                    error_param="structured_output",
+                )
+            )
 
     def _take_pending(self) -> list[StepUpdate]:
         pending, self._pending = self._pending, []

@@ -229,6 +229,8 @@ class _Given(argparse.Action):
 
 
 def _alias_kwargs(flag: ServeFlag) -> dict[str, Any]:
+    if flag.arity == "switch":  # its parse gives the key's value
+        return {"action": "store_const", "const": True}
     if flag.arity == "bool":
         return {"action": argparse.BooleanOptionalAction}
     metavar = flag.metavar or "N"

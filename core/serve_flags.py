@@ -349,6 +349,20 @@ FLAGS: tuple[ServeFlag, ...] = (
     ),
     _alias("--max-num-seqs", "scheduler.max_num_seqs", "most requests in one step", parse=_integer),
     _alias(
+        "--disable-frontend-multiprocessing",
+        "server.engine_process",
+        "the HTTP server and the engine share one process (the engine steps on a thread)",
+        arity="switch",
+        parse=lambda _: False,
+    ),
+    _alias(
+        ("--api-server-count", "-asc"),
+        "server.api_server_count",
+        "HTTP front-end processes sharing the port, all feeding the one engine process",
+        parse=_integer,
+        metavar="N",
+    ),
+    _alias(
         "--max-num-batched-tokens",
         "scheduler.max_num_batched_tokens",
         "token budget of one step, shared by prefill chunks and decodes (2k, 8K as for "
@@ -450,10 +464,6 @@ FLAGS: tuple[ServeFlag, ...] = (
         "uvicorn runs at log level warning, so it writes no access log",
     ),
     _accepted(
-        "--disable-frontend-multiprocessing",
-        "the HTTP server and the engine share one process (the engine steps on a thread)",
-    ),
-    _accepted(
         "--disable-custom-all-reduce",
         "tensor parallelism all-reduces through torch.distributed (gloo, NCCL); Brigade has no "
         "custom all-reduce",
@@ -468,7 +478,6 @@ FLAGS: tuple[ServeFlag, ...] = (
     _refused(("--pipeline-parallel-size", "-pp"), "pipeline parallelism is not implemented yet"),
     _refused(("--enable-expert-parallel", "-ep"), "expert parallelism is not implemented yet"),
     _refused("--headless", "there is no multi-node mode"),
-    _refused(("--api-server-count", "-asc"), "Brigade runs one API server in one process"),
     _refused(
         ("--quantization", "-q"),
         "quantized inference is not implemented yet; a quantized GGUF file is dequantized on "

@@ -139,6 +139,17 @@ class ServerSettings:
     embedding_normalize: bool = option(
         True, help="/v1/embeddings vectors have unit L2 norm (a request's normalize overrides)"
     )
+    engine_process: bool = option(
+        True,
+        help="run the engine core in its own process, talking to the HTTP front end(s) over "
+        "ZMQ; false runs it on a thread of the one HTTP process",
+    )
+    api_server_count: int = option(
+        1,
+        help="HTTP front-end processes sharing the port, all feeding the one engine process "
+        "(more than 1 needs engine_process = true)",
+        ge=1,
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,6 +13,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import httpx
+import psutil
 
 
 def tiny_model(root: Path) -> Path:
@@ -44,13 +45,16 @@ def running_server(
     config_text: str,
     workdir: Path,
     *,
-    startup_s: float = 90.0,
+    startup_s: float = 180.0,
     args: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """Yield (base URL, process) of a server started from ``config_text`` (plus ``brigade
     serve`` arguments ``args``, e.g. vLLM flags; ``env`` replaces the environment); stop it
-    after."""
+    after, and fail if any process it started (engine, front ends) outlives it.
+
+    ``startup_s`` is generous: with the engine in its own process, the engine and the front
+    end import and load in parallel, which a loaded 2-core machine slows down."""
     port = free_port()
     config = workdir / f"server-{port}.toml"
     config.write_text(
@@ -67,6 +71,7 @@ def running_server(
     )
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + startup_s
+    children: list[psutil.Process] = []
     try:
         while True:
             if process.poll() is not None:
@@ -82,6 +87,7 @@ def running_server(
             if time.monotonic() > deadline:
                 raise RuntimeError("server did not become healthy in time")
             time.sleep(0.2)
+        children = psutil.Process(process.pid).children(recursive=True)
         yield base, process
     finally:
         if process.poll() is None:
@@ -92,6 +98,11 @@ def running_server(
                 process.kill()
                 process.wait()
         log.close()
+    _, left = psutil.wait_procs(children, timeout=10)
+    for child in left:
+        child.kill()
+    if left:
+        raise AssertionError(f"the server left processes behind: {[c.pid for c in left]}")
 
 
 def server_log(workdir: Path, base: str) -> str:

@@ -57,12 +57,12 @@ def create_app(state: ServerState) -> Litestar:
         exception_handlers={Exception: _error_response},
         request_max_body_size=None,  # our own limit, answered in OpenAI's error shape
     )
-    engine = state.async_engine.engine
+    info = state.async_engine.info
     document_api(
         app,
         model_name=state.model_name,
-        vocab_size=engine.vocab_size,
-        max_model_len=engine.max_model_len,
+        vocab_size=info.vocab_size,
+        max_model_len=info.max_model_len,
     )
     return app
 
@@ -142,7 +142,7 @@ def _handlers(state: ServerState) -> list[Any]:
     async def detokenize(request: Request[Any, Any, Any]) -> Response[out.DetokenizeResponse]:
         body = proto.decode_json(await read_body(request, state.settings), proto.DetokenizeRequest)
         _check_model(state, body.model)
-        vocab = state.async_engine.engine.vocab_size
+        vocab = state.async_engine.info.vocab_size
         if any(t >= vocab for t in body.tokens):
             raise ProtocolError(
                 f"token ids must be below the vocabulary size {vocab}", param="tokens"

@@ -1,9 +1,9 @@
 """The engine core on its own thread, with asyncio streams per request.
 
 The HTTP event loop never runs a model step: it hands requests to the engine thread through a
-command queue and receives each request's updates on an ``asyncio.Queue``. The interface
-(``submit`` / ``abort`` / per-request async iterators of ``StepUpdate``) is what a
-two-process split would keep, with the queues replaced by IPC.
+command queue and receives each request's updates on an ``asyncio.Queue``. The interface is
+:class:`~brigade.server.request_streams.RequestStreams`, which ``EngineClient`` (the engine in
+its own process, over ZMQ) shares.
 
 The thread never dies silently: a request that cannot be queued fails alone, and when the
 engine dies (``EngineDeadError``, or anything escaping the loop) every waiting stream gets the
@@ -17,16 +17,19 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import queue
 import threading
-from collections.abc import AsyncGenerator, Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from brigade.admission import Admission
 from brigade.engine import EngineCore, EngineStats, StepUpdate
 from brigade.errors import EngineDeadError, RequestError, RequestFailedError
-from brigade.interfaces import EMPTY_EXTRA, ExtraValue, SamplingParams
+from brigade.interfaces import ExtraValue, PoolingParams, SamplingParams
 from brigade.sampling_stage import describe
+from brigade.server.engine_protocol import engine_info
 from brigade.server.errors import EngineOverloadedError, EngineUnavailableError
+from brigade.server.request_streams import RequestStreams
 
 __all__ = ["AsyncEngine", "EngineOverloadedError", "EngineUnavailableError"]
 
@@ -57,7 +60,7 @@ class _AbortAll:
 _Command = _Add | _Abort | _AbortAll | None
 
 
-class AsyncEngine:
+class AsyncEngine(RequestStreams):
     """Runs ``EngineCore.step`` in a loop on a worker thread; requests stream back to asyncio.
 
     ``on_dead(reason)`` is called on the engine thread once, when the engine dies.
@@ -70,96 +73,39 @@ class AsyncEngine:
         max_waiting_requests: int,
         on_dead: Callable[[str], None] | None = None,
     ) -> None:
+        super().__init__(max_waiting_requests=max_waiting_requests, on_dead=on_dead)
         self.engine = engine
-        self.max_waiting_requests = max_waiting_requests
-        self.on_dead = on_dead
+        self.info = engine_info(engine, os.getpid())
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._streams: dict[str, _Add] = {}
-        self._num_unstarted = 0
-        """Requests submitted that have not produced a token yet (the bounded queue)."""
-        self._num_active = 0
-        """``generate`` calls in progress."""
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name="brigade-engine", daemon=True)
-        self._stopped = False
-        self.dead: str | None = None
-        """Why the engine died (None while it runs)."""
         self.snapshot: EngineStats = engine.stats()
         """Engine counters as of the latest step (read by /health and /metrics)."""
         self._thread.start()
 
     # -- event-loop side ----------------------------------------------------------------
 
-    def check_capacity(self, num_requests: int = 1) -> None:
-        """Raise ``EngineOverloadedError`` unless ``num_requests`` more may wait now."""
-        if self.dead is not None:
-            raise EngineUnavailableError(
-                f"the engine has failed ({self.dead}); this server is restarting"
-            )
-        if self._stopped:
-            raise EngineOverloadedError("the server is shutting down")
-        if num_requests and self._num_unstarted + num_requests > self.max_waiting_requests:
-            raise EngineOverloadedError(
-                f"{self._num_unstarted} requests are already waiting "
-                f"(max_waiting_requests = {self.max_waiting_requests}); retry later"
-            )
+    def admit(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        pooling: PoolingParams | None = None,
+    ) -> Admission:
+        return self.engine.admit(prompt_token_ids, params, pooling=pooling)
 
-    async def generate(
+    def _submit(
         self,
         request_id: str,
         admission: Admission,
         params: SamplingParams,
-        *,
-        priority: int = 0,
-        check_queue: bool = True,
-        extra: Mapping[str, ExtraValue] = EMPTY_EXTRA,
-    ) -> AsyncGenerator[StepUpdate, None]:
-        """Submit an admitted prompt with ``params`` and yield its updates; leaving early
-        aborts it in the engine. ``extra`` becomes the request's ``Request.extra``.
-
-        ``admission`` is ``EngineCore.admit``'s for the prompt (``params`` are its
-        parameters, or a fan-out child's): the engine does not check the request again.
-        Before its first update a failure raises: ``RequestError`` (the request is invalid),
-        ``RequestFailedError`` (a plugin failed for it) or ``EngineDeadError``. After it, a
-        failure of this request alone arrives as its last update, with ``error`` set.
-        ``check_queue`` False skips the waiting-queue bound (the parent request took the
-        place: ``n`` > 1 choices).
-        """
-        self.check_capacity(1 if check_queue else 0)
-        sink: asyncio.Queue[StepUpdate | BaseException] = asyncio.Queue()
+        priority: int,
+        extra: Mapping[str, ExtraValue],
+        sink: asyncio.Queue[StepUpdate | BaseException],
+    ) -> None:
         loop = asyncio.get_running_loop()
-        self._num_unstarted += 1
-        self._num_active += 1
-        started = False
-        finished = False
-        try:
-            self._send(_Add(request_id, admission, params, priority, sink, loop, extra))
-            if self.dead is not None:  # it died as we sent: nobody may be left to answer
-                finished = True
-                raise EngineDeadError(self.dead)
-            while True:
-                item = await sink.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                if item.error is not None and not started:
-                    finished = True
-                    if item.invalid:
-                        raise RequestError(item.error)
-                    raise RequestFailedError(item.error)
-                if not started:
-                    started = True
-                    self._num_unstarted -= 1
-                yield item
-                if item.finished:
-                    finished = True
-                    return
-        finally:
-            self._num_active -= 1
-            if not started:
-                self._num_unstarted -= 1
-            if not finished:
-                self.abort(request_id)
+        self._send(_Add(request_id, admission, params, priority, sink, loop, extra))
 
     def abort(self, request_id: str) -> None:
         """Stop a request (no-op if it already finished)."""
@@ -168,15 +114,6 @@ class AsyncEngine:
     def abort_all(self) -> None:
         """End every request now: streams finish with reason ``abort`` (shutdown timeout)."""
         self._send(_AbortAll())
-
-    @property
-    def num_unstarted(self) -> int:
-        return self._num_unstarted
-
-    @property
-    def num_in_flight(self) -> int:
-        """Requests submitted and not yet finished (their streams still open)."""
-        return self._num_active
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stop the worker thread after its current step."""

@@ -118,7 +118,7 @@ async def embed(
     settings = state.settings
     normalize = body.normalize if body.normalize is not None else settings.embedding_normalize
     pooling = PoolingParams(mode=settings.embedding_pooling, normalize=normalize)
-    engine = state.async_engine.engine
+    engine = state.async_engine
     admissions = []
     for index, prompt in enumerate(prompts):
         try:
@@ -204,7 +204,7 @@ def _encoded(vector: list[float], encoding_format: str) -> list[float] | str:
 
 
 def _hidden_size(state: ServerState) -> int:
-    size = state.async_engine.engine.checkpoint.config.get("hidden_size")
-    if not isinstance(size, int):
+    size = state.async_engine.info.hidden_size
+    if size is None:
         raise ProtocolError("embeddings are not available: the model has no hidden_size.")
     return size

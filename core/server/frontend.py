@@ -19,9 +19,9 @@ from brigade.admission import Admission
 from brigade.errors import RequestError, RequestFailedError
 from brigade.interfaces import EMPTY_EXTRA, Detokenizer, ExtraValue
 from brigade.output import Choice, ChoiceDelta, OutputProcessor
-from brigade.server.async_engine import AsyncEngine
 from brigade.server.logs import log_request_finished
 from brigade.server.metrics import ServerMetrics
+from brigade.server.request_streams import RequestStreams
 
 __all__ = ["Frontend"]
 
@@ -31,7 +31,7 @@ class Frontend:
 
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: RequestStreams,
         detokenizer: Detokenizer,
         metrics: ServerMetrics,
     ) -> None:

@@ -22,6 +22,7 @@ from brigade.server import protocol as proto
 from brigade.server import responses as out
 from brigade.server import streaming
 from brigade.server.errors import (
+    APIError,
     InternalServerError,
     ProtocolError,
     ServerOverloadedError,
@@ -61,7 +62,7 @@ async def start_chat(
     params = proto.sampling_params(
         body,
         default_max_tokens=max(1, state.max_model_len - len(prompt)),
-        defaults=state.async_engine.engine.sampling_defaults,
+        defaults=state.async_engine.info.sampling_defaults,
     )
     calls_tools = body.tool_choice_spec() is not None
     grammar_param = "tools" if calls_tools else body.grammar_param()
@@ -75,11 +76,14 @@ async def start_chat(
     _charge(state, request, [prompt], params)
     await _await_grammar(state, [admission], grammar_param)
     response_id = out.new_chat_id()
-    deltas = await _first(
+    deltas = await _first_output(
+        state,
+        [admission],
         state.frontend.generate(
             response_id, admission, priority=body.priority or 0, extra=body.extra()
         ),
         prompt_param="messages",
+        grammar_param=grammar_param,
     )
     return ChatRun(prompt, params, deltas, calls_tools, response_id)
 
@@ -133,7 +137,7 @@ async def completion(
     params = proto.sampling_params(
         body,
         default_max_tokens=max(1, state.max_model_len - longest),  # an explicit null
-        defaults=state.async_engine.engine.sampling_defaults,
+        defaults=state.async_engine.info.sampling_defaults,
     )
     admissions = []
     for index, prompt in enumerate(prompts):
@@ -153,7 +157,9 @@ async def completion(
     await _await_grammar(state, admissions, body.grammar_param())
     response_id = out.new_completion_id()
     priority = body.priority or 0
-    deltas = await _first(
+    deltas = await _first_output(
+        state,
+        admissions,
         streaming.merge(
             [
                 state.frontend.generate(
@@ -167,6 +173,7 @@ async def completion(
             ]
         ),
         prompt_param="prompt",
+        grammar_param=body.grammar_param(),
     )
     prompt_tokens = sum(len(p) for p in prompts)
     want_logprobs = params.logprobs is not None
@@ -267,7 +274,7 @@ def _admission(
     naming the field (``prompt_param`` for the prompt, ``grammar_param`` for the grammar; a
     batch's message names the prompt's ``index``)."""
     try:
-        return state.async_engine.engine.admit(prompt, params)
+        return state.async_engine.admit(prompt, params)
     except RequestError as exc:
         param = {None: prompt_param, "prompt": prompt_param, "structured_output": grammar_param}
         message = str(exc) if index is None else f"prompt {index}: {exc}"
@@ -293,7 +300,7 @@ async def _await_grammar(state: ServerState, admissions: Sequence[Admission], pa
     """Wait for the grammar the admission started compiling (off the engine's step loop):
     an invalid one is a 400 naming ``param``, before any token is generated."""
     spec = admissions[0].params.structured_output
-    if spec is None:
+    if spec is None or admissions[0].grammar is None:  # none, or compiled by the engine process
         return
     started = time.monotonic()
     try:
@@ -306,8 +313,31 @@ async def _await_grammar(state: ServerState, admissions: Sequence[Admission], pa
     state.metrics.observe_grammar(spec.kind, time.monotonic() - started, valid=True)
 
 
+async def _first_output(
+    state: ServerState,
+    admissions: Sequence[Admission],
+    stream: AsyncGenerator[ChoiceDelta, None],
+    *,
+    prompt_param: str,
+    grammar_param: str,
+) -> AsyncGenerator[ChoiceDelta, None]:
+    """:func:`_first`, counting the request's grammar when it compiles in the engine process
+    (there the first output is where an invalid one shows; the wait is not observed)."""
+    spec = admissions[0].params.structured_output
+    if spec is None or admissions[0].grammar is not None:  # none, or _await_grammar's
+        return await _first(stream, prompt_param=prompt_param, grammar_param=grammar_param)
+    try:
+        deltas = await _first(stream, prompt_param=prompt_param, grammar_param=grammar_param)
+    except APIError as error:
+        if error.param == grammar_param:
+            state.metrics.observe_grammar(spec.kind, None, valid=False)
+        raise
+    state.metrics.observe_grammar(spec.kind, None, valid=True)
+    return deltas
+
+
 async def _first(
-    stream: AsyncGenerator[ChoiceDelta, None], *, prompt_param: str
+    stream: AsyncGenerator[ChoiceDelta, None], *, prompt_param: str, grammar_param: str
 ) -> AsyncGenerator[ChoiceDelta, None]:
     """Wait for the first output, so a refused request becomes an HTTP error, not a stream.
 
@@ -326,6 +356,8 @@ async def _first(
             error = api_error(failed[0].error) or InternalServerError()
             if error.param == "prompt":
                 error.param = prompt_param
+            elif error.param == "structured_output":  # compiled in the engine process
+                error.param = grammar_param
             raise error from None
         raise InternalServerError("The engine produced no output.") from None
     except BaseException:

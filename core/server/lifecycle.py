@@ -32,6 +32,7 @@ __all__ = [
     "DEAD_LINGER_S",
     "EXIT_ENGINE_DEAD",
     "EXIT_OK",
+    "EXIT_STARTUP_ERROR",
     "BrigadeServer",
 ]
 
@@ -39,6 +40,8 @@ EXIT_OK = 0
 """Stopped on a signal: every request finished or ended with ``abort``."""
 EXIT_ENGINE_DEAD = 1
 """The engine died; the server could no longer serve."""
+EXIT_STARTUP_ERROR = 2
+"""A config, model or port error before serving (the CLI's status for ``BrigadeError``)."""
 ABORT_GRACE_S = 5.0
 """After the shutdown timeout aborts the running requests, how long their answers may take to
 leave (and uvicorn's own wait for connections)."""
@@ -65,6 +68,7 @@ class BrigadeServer(uvicorn.Server):
 
     async def serve(self, sockets: list[object] | None = None) -> None:  # type: ignore[override]
         self._loop = asyncio.get_running_loop()
+        await self.state.async_engine.start()
         if self.state.async_engine.dead is not None:  # it died while the server started
             self._engine_dead(self.state.async_engine.dead)
         await super().serve(sockets)  # type: ignore[arg-type]
@@ -100,7 +104,8 @@ class BrigadeServer(uvicorn.Server):
             self._loop.call_soon_threadsafe(self._start_drain, sig)
 
     def engine_died(self, reason: str) -> None:
-        """Called on the engine thread when the engine dies."""
+        """Called when the engine dies (on the engine thread, or on the event loop when the
+        engine is another process)."""
         self.exit_code = EXIT_ENGINE_DEAD
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._engine_dead, reason)

@@ -283,16 +283,18 @@ class ServerMetrics:
         if decode_s is not None:
             self._decode_time.observe(max(0.0, decode_s))
 
-    def observe_grammar(self, kind: str, wait_s: float, *, valid: bool) -> None:
-        """Record a request's grammar: its kind, the wait for its compilation, and whether it
-        compiled (an invalid one is refused with a 400)."""
+    def observe_grammar(self, kind: str, wait_s: float | None, *, valid: bool) -> None:
+        """Record a request's grammar: its kind, the wait for its compilation (None: not
+        measured, the grammar compiled in the engine process), and whether it compiled (an
+        invalid one is refused with a 400)."""
         counter = self._structured.get(kind)
         if counter is None:
             raise ValueError(
                 f"unknown grammar kind {kind!r}; expected one of {STRUCTURED_OUTPUT_KINDS}"
             )
         counter.inc()
-        self._grammar_wait.observe(wait_s)
+        if wait_s is not None:
+            self._grammar_wait.observe(wait_s)
         if not valid:
             self._grammar_errors.inc()
 

@@ -8,9 +8,11 @@ import socket
 
 import structlog
 
+from brigade.assemble import open_model
 from brigade.config import EngineConfig, load_config
 from brigade.engine import EngineCore
-from brigade.errors import BrigadeError
+from brigade.errors import BrigadeError, ConfigError
+from brigade.interfaces import Checkpoint
 from brigade.models.checkpoint import require_tokenizer
 from brigade.registry import Registry, default_registry
 from brigade.server.app import ServerState, create_app
@@ -21,26 +23,41 @@ from brigade.server.lifecycle import ABORT_GRACE_S, BrigadeServer
 from brigade.server.logs import configure_logging
 from brigade.server.metrics import ServerMetrics
 from brigade.server.ratelimit import RateLimiter
+from brigade.server.request_streams import RequestStreams
 from brigade.startup import startup_banner
 
-__all__ = ["build_state", "serve"]
+__all__ = ["build_state", "frontend_state", "run_http", "serve"]
 
 
 def build_state(config: EngineConfig, registry: Registry) -> ServerState:
-    """Load the model and every component; start the engine thread."""
-    settings = config["server"].settings
+    """Load the model and every component; start the engine thread (thread mode)."""
     engine = EngineCore(config, registry)
-    tokenizer = require_tokenizer(engine.checkpoint)
+    async_engine = AsyncEngine(
+        engine, max_waiting_requests=config["server"].settings.max_waiting_requests
+    )
+    return frontend_state(config, registry, async_engine, engine.checkpoint)
+
+
+def frontend_state(
+    config: EngineConfig,
+    registry: Registry,
+    engine: RequestStreams,
+    checkpoint: Checkpoint | None = None,
+) -> ServerState:
+    """What the HTTP handlers share, over ``engine`` (a thread or a process); the tokenizer is
+    read from ``checkpoint`` (opened here when not given: it reads no weights)."""
+    settings = config["server"].settings
+    checkpoint = checkpoint or open_model(config)
+    tokenizer = require_tokenizer(checkpoint)
     detokenizer = registry.get("detokenizer", config.plugin("detokenizer")).factory(
         tokenizer, config["detokenizer"].options
     )
-    model_name = settings.served_model_name or engine.checkpoint.name
+    model_name = settings.served_model_name or checkpoint.name
     metrics = ServerMetrics(model_name, names=settings.metrics_names)
     metrics.set_components(config.components)
-    async_engine = AsyncEngine(engine, max_waiting_requests=settings.max_waiting_requests)
     return ServerState(
-        async_engine=async_engine,
-        frontend=Frontend(async_engine, detokenizer, metrics),
+        async_engine=engine,
+        frontend=Frontend(engine, detokenizer, metrics),
         tokenizer=tokenizer,
         settings=settings,
         model_name=model_name,
@@ -51,30 +68,55 @@ def build_state(config: EngineConfig, registry: Registry) -> ServerState:
 
 def serve(config_path: str | None, overrides: list[str]) -> int:
     """Run the server until SIGTERM/SIGINT or until its engine dies; returns the exit status
-    (see ``brigade.server.lifecycle``: 0 stopped, 1 engine dead, 128 + signal forced)."""
-    import uvicorn
+    (see ``brigade.server.lifecycle``: 0 stopped, 1 engine dead, 128 + signal forced).
 
+    With ``[server] engine_process`` (the default) this process supervises an engine process
+    and ``api_server_count`` front-end processes (``brigade.server.processes``); otherwise it
+    serves HTTP itself with the engine on a thread."""
     configure_logging()
-    log = structlog.get_logger("brigade.server")
     registry = default_registry()
     config = load_config(config_path, registry, overrides=overrides)
+    settings = config["server"].settings
+    if settings.api_server_count > 1 and not settings.engine_process:
+        raise ConfigError(
+            f"{config.source}: [server] api_server_count = {settings.api_server_count} needs "
+            "[server] engine_process = true (front ends share one engine process); set "
+            "api_server_count = 1 or engine_process = true"
+        )
     # Take the port before loading the model: a busy port fails in a second, not a minute.
-    sock = _listen(config["server"].settings.host, config["server"].settings.port)
+    sock = _listen(settings.host, settings.port)
+    if settings.engine_process:
+        from brigade.server.processes import supervise
+
+        return supervise(config_path, overrides, config, sock)
     state = build_state(config, registry)
+    if isinstance(state.async_engine, AsyncEngine):
+        print(startup_banner(state.async_engine.engine), flush=True)
+    return run_http(state, config, sock, announce=True)
+
+
+def run_http(
+    state: ServerState, config: EngineConfig, sock: socket.socket, *, announce: bool
+) -> int:
+    """Serve HTTP on ``sock`` until stopped; the exit status. ``announce``: log the engine's
+    figures and print a usage example (one front end does)."""
+    import uvicorn
+
+    log = structlog.get_logger("brigade.server")
     settings = state.settings
-    engine = state.async_engine.engine
-    kv = engine.kv.stats()
-    log.info(
-        "engine_ready",
-        components=config.components,
-        model=str(engine.model_dir),
-        served_model_name=state.model_name,
-        kv_pages=kv.num_pages,
-        page_size=engine.batch.page_size,
-        kv_tokens=kv.num_pages * engine.batch.page_size,
-        max_model_len=engine.max_model_len,
-        load_time_s=round(engine.load_time_s, 2),
-    )
+    info = state.async_engine.info
+    if announce:
+        log.info(
+            "engine_ready",
+            components=config.components,
+            model=info.model_dir,
+            served_model_name=state.model_name,
+            kv_pages=info.num_pages,
+            page_size=info.page_size,
+            kv_tokens=info.num_pages * info.page_size,
+            max_model_len=info.max_model_len,
+            load_time_s=round(info.load_time_s, 2),
+        )
     protocol = GuardedH11Protocol.with_limits(
         header_timeout_s=settings.header_timeout_s,
         keep_alive_timeout_s=settings.keep_alive_timeout_s,
@@ -98,8 +140,8 @@ def serve(config_path: str | None, overrides: list[str]) -> int:
     state.async_engine.on_dead = server.engine_died
     if state.async_engine.dead is not None:  # died before the callback was set
         server.engine_died(state.async_engine.dead)
-    print(startup_banner(engine), flush=True)
-    _print_example(settings.host, settings.port, state.model_name, bool(settings.api_keys))
+    if announce:
+        _print_example(settings.host, settings.port, state.model_name, bool(settings.api_keys))
     try:
         server.run(sockets=[sock])
     finally:

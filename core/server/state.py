@@ -13,10 +13,10 @@ from typing import Any, TypeVar
 import msgspec
 from litestar import Response
 
-from brigade.server.async_engine import AsyncEngine
 from brigade.server.frontend import Frontend
 from brigade.server.metrics import ServerMetrics
 from brigade.server.ratelimit import RateLimiter
+from brigade.server.request_streams import RequestStreams
 from brigade.stations import ServerSettings
 
 __all__ = ["JSON", "TOKENIZER_THREADS", "ServerState", "json_response"]
@@ -37,7 +37,9 @@ def _tokenizer_pool() -> concurrent.futures.ThreadPoolExecutor:
 class ServerState:
     """Everything the handlers share."""
 
-    async_engine: AsyncEngine
+    async_engine: RequestStreams
+    """The engine: on a thread of this process (``AsyncEngine``) or in its own process
+    (``EngineClient``); its ``info`` is what the handlers know about it."""
     frontend: Frontend
     tokenizer: Any
     settings: ServerSettings
@@ -53,7 +55,7 @@ class ServerState:
 
     @property
     def max_model_len(self) -> int:
-        return self.async_engine.engine.max_model_len
+        return self.async_engine.info.max_model_len
 
     async def run_blocking(self, function: Callable[..., T], *args: Any) -> T:
         """``function(*args)`` on the tokenizer threads."""

@@ -90,6 +90,9 @@ ALIAS_CASES = [
     (["-dp", "3"], "router.data_parallel_size", 3),
     (["--distributed-executor-backend", "ray"], "executor.distributed_executor_backend", "ray"),
     (["--pooler-config", '{"pooling_type": "MEAN"}'], "server.embedding_pooling", "mean"),
+    (["--api-server-count", "3"], "server.api_server_count", 3),
+    (["-asc", "2"], "server.api_server_count", 2),
+    (["--disable-frontend-multiprocessing"], "server.engine_process", False),
 ]
 
 

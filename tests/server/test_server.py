@@ -275,7 +275,7 @@ def bare_app(model_name: str, *, shutting_down: bool = False) -> Any:
 
     state = ServerState(
         async_engine=types.SimpleNamespace(  # type: ignore[arg-type]
-            dead=None, engine=types.SimpleNamespace(vocab_size=256, max_model_len=64)
+            dead=None, info=types.SimpleNamespace(vocab_size=256, max_model_len=64)
         ),
         frontend=None,  # type: ignore[arg-type]
         tokenizer=None,

@@ -1,0 +1,317 @@
+"""A front end's side of the engine process: ``AsyncEngine``'s interface over ZMQ.
+
+:meth:`EngineClient.connect` waits (blocking, before the HTTP server starts) for the engine's
+:class:`~brigade.server.engine_protocol.Ready` and its :class:`EngineInfo`; :meth:`start`
+then opens the DEALER the requests travel on, on the server's event loop. Each step's
+message is fanned out to the requests' streams as ``StepUpdate``\\ s over a front-end copy of
+each ``Request`` (prompt, output tokens, status), so detokenization and the handlers read
+what they read in thread mode.
+
+Admission runs here on :class:`EngineInfo` alone (``check_request``), so a bad request is a
+400 without a round trip; the grammar compiles in the engine process and an invalid one is
+the request's first update (``RequestError`` -> 400).
+
+The engine's death is seen within a second: its process id is watched through a pidfd
+(readable when the process exits, whoever its parent is); an :class:`EngineFailed` message
+says why when the engine died on its own terms. Every stream then ends with
+``EngineDeadError``, :attr:`dead` is set and ``on_dead`` is called.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import Callable, Mapping, Sequence
+
+import zmq
+import zmq.asyncio
+
+from brigade.admission import Admission, check_request
+from brigade.engine import EngineStats, StepUpdate
+from brigade.errors import EngineDeadError, RequestError
+from brigade.interfaces import ExtraValue, PoolingParams, Request, RequestStatus, SamplingParams
+from brigade.sampling_stage import TokenLogprob
+from brigade.server import engine_protocol as wire
+from brigade.server.request_streams import RequestStreams
+
+__all__ = ["EngineClient"]
+
+_PROBE_POLL_MS = 200
+_POLL_ALIVE_S = 0.25
+"""Without pidfd support, how often the engine's process id is checked."""
+_LINGER_MS = 500
+"""At shutdown, how long a last message (Goodbye) may take to leave."""
+
+
+class EngineClient(RequestStreams):
+    """``AsyncEngine``'s interface for a front end whose engine runs in another process."""
+
+    def __init__(
+        self,
+        info: wire.EngineInfo,
+        stats: wire.WireStats,
+        address: str,
+        *,
+        frontend: int,
+        max_waiting_requests: int,
+        on_dead: Callable[[str], None] | None = None,
+    ) -> None:
+        super().__init__(max_waiting_requests=max_waiting_requests, on_dead=on_dead)
+        self.info = info
+        self.address = address
+        self.frontend = frontend
+        self.snapshot: EngineStats = _stats(stats)
+        """Engine counters as of the latest step message (read by /health and /metrics)."""
+        self._streams: dict[str, tuple[Request, asyncio.Queue[StepUpdate | BaseException]]] = {}
+        self._context: zmq.asyncio.Context | None = None
+        self._socket: zmq.asyncio.Socket | None = None
+        self._receiver: asyncio.Task[None] | None = None
+        self._pidfd: int | None = None
+        self._watcher: asyncio.Task[None] | None = None
+
+    @classmethod
+    def connect(
+        cls, address: str, engine_pid: int, *, frontend: int, max_waiting_requests: int
+    ) -> EngineClient:
+        """Wait until the engine at ``address`` is ready (it may be loading its model); raise
+        ``EngineDeadError`` if its process ``engine_pid`` exits first."""
+        context = zmq.Context()
+        probe = context.socket(zmq.DEALER)
+        probe.setsockopt(zmq.LINGER, 0)
+        pidfd = _open_pidfd(engine_pid)
+        try:
+            probe.connect(address)
+            probe.send(wire.encode(wire.Hello(frontend=-1)))
+            poller = zmq.Poller()
+            poller.register(probe, zmq.POLLIN)
+            if pidfd is not None:
+                poller.register(pidfd, zmq.POLLIN)
+            while True:
+                events = dict(poller.poll(_PROBE_POLL_MS))
+                if probe in events:
+                    reply = wire.decode_from_engine(probe.recv())
+                    if isinstance(reply, wire.Ready):
+                        return cls(
+                            reply.info,
+                            reply.stats,
+                            address,
+                            frontend=frontend,
+                            max_waiting_requests=max_waiting_requests,
+                        )
+                if (pidfd is not None and pidfd in events) or not _alive(engine_pid):
+                    raise EngineDeadError(
+                        f"the engine process (pid {engine_pid}) exited while starting; its "
+                        "output above says why"
+                    )
+        finally:
+            if pidfd is not None:
+                os.close(pidfd)
+            probe.close()
+            context.term()
+
+    # -- event-loop side ----------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Open the request socket and watch the engine process (on the server's loop)."""
+        loop = asyncio.get_running_loop()
+        self._context = zmq.asyncio.Context()
+        socket = self._context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.SNDHWM, 0)
+        socket.setsockopt(zmq.RCVHWM, 0)
+        socket.setsockopt(zmq.LINGER, _LINGER_MS)
+        socket.connect(self.address)
+        self._socket = socket
+        self._send(wire.Hello(frontend=self.frontend))
+        self._receiver = loop.create_task(self._receive())
+        self._pidfd = _open_pidfd(self.info.pid)
+        if self._pidfd is not None:
+            loop.add_reader(self._pidfd, self._engine_exited)
+        else:
+            self._watcher = loop.create_task(self._poll_engine())
+
+    def admit(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        pooling: PoolingParams | None = None,
+    ) -> Admission:
+        """The checks ``EngineCore.admit`` makes that need only :class:`EngineInfo`; the
+        grammar compiles in the engine process (``grammar`` is None here)."""
+        info = self.info
+        check_request(
+            prompt_token_ids, params, vocab_size=info.vocab_size, max_model_len=info.max_model_len
+        )
+        if pooling is not None:
+            if not info.embeddings:
+                raise RequestError(
+                    f"embeddings are not available: the executor {info.executor!r} returns no "
+                    "hidden states",
+                    param="input",
+                )
+            if params.structured_output is not None:
+                raise RequestError(
+                    "an embedding request generates no text to constrain",
+                    param="structured_output",
+                )
+        elif params.structured_output is not None and not info.structured_output:
+            raise RequestError(
+                "structured output is not available: this executor returns token ids, not logits",
+                param="structured_output",
+            )
+        return Admission(list(prompt_token_ids), params, None, pooling=pooling)
+
+    def _submit(
+        self,
+        request_id: str,
+        admission: Admission,
+        params: SamplingParams,
+        priority: int,
+        extra: Mapping[str, ExtraValue],
+        sink: asyncio.Queue[StepUpdate | BaseException],
+    ) -> None:
+        request = Request(
+            request_id,
+            admission.prompt_token_ids,
+            params,
+            priority=priority,
+            extra=extra,
+            pooling=admission.pooling,
+        )
+        if self._socket is None:
+            raise EngineDeadError("this front end is not connected to the engine")
+        self._streams[request_id] = (request, sink)
+        command = wire.AddRequest(
+            request_id,
+            admission.prompt_token_ids,
+            params,
+            priority=priority,
+            extra=dict(extra),
+            pooling=admission.pooling,
+        )
+        self._send(command)
+
+    def abort(self, request_id: str) -> None:
+        if self._streams.pop(request_id, None) is not None:
+            self._send(wire.Abort([request_id]))
+
+    def abort_all(self) -> None:
+        self._send(wire.AbortAll())
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Say goodbye (the engine aborts this front end's requests) and close the socket;
+        the supervisor stops the engine once every front end has left."""
+        self._stopped = True
+        if self._pidfd is not None:  # its event loop has closed, with its reader
+            os.close(self._pidfd)
+            self._pidfd = None
+        if self._socket is None or self._context is None:
+            return
+        # The event loop has stopped: send through a blocking shadow of the same socket.
+        with contextlib.suppress(zmq.ZMQError):
+            zmq.Socket.shadow(self._socket.underlying).send(
+                wire.encode(wire.Goodbye()), zmq.NOBLOCK
+            )
+        self._socket.close()
+        self._context.term()
+        self._socket = None
+
+    def _send(self, message: wire.ToEngine) -> None:
+        if self._socket is not None:  # else shut down: the engine forgot this front end
+            self._socket.send(wire.encode(message), copy=False)
+
+    async def _receive(self) -> None:
+        socket = self._socket
+        if socket is None:
+            return
+        while True:
+            try:
+                data = await socket.recv()
+            except (zmq.ZMQError, asyncio.CancelledError):
+                return
+            message = wire.decode_from_engine(data)
+            if isinstance(message, wire.StepOutputs):
+                self.snapshot = _stats(message.stats)
+                for update in message.updates:
+                    self._deliver(update)
+            elif isinstance(message, wire.EngineFailed):
+                self._die(f"the engine failed: {message.reason}")
+                return
+            else:  # Ready: the answer to this socket's Hello
+                self.snapshot = _stats(message.stats)
+
+    def _deliver(self, update: wire.RequestUpdate) -> None:
+        stream = self._streams.get(update.request_id)
+        if stream is None:  # aborted here while the engine stepped
+            return
+        request, sink = stream
+        request.output_token_ids.extend(update.new_token_ids)
+        request.status = RequestStatus(update.status)
+        if update.first_scheduled_time is not None:
+            request.first_scheduled_time = update.first_scheduled_time
+        logprobs = (
+            None
+            if update.logprobs is None
+            else [TokenLogprob(t, lp, tuple(top)) for t, lp, top in update.logprobs]
+        )
+        sink.put_nowait(
+            StepUpdate(
+                request,
+                update.new_token_ids,
+                logprobs,
+                update.finished,
+                error=update.error,
+                invalid=update.invalid,
+                error_param=update.error_param,
+                embedding=update.embedding,
+            )
+        )
+        if update.finished:
+            del self._streams[update.request_id]
+
+    async def _poll_engine(self) -> None:
+        while _alive(self.info.pid):
+            await asyncio.sleep(_POLL_ALIVE_S)
+        self._engine_exited()
+
+    def _engine_exited(self) -> None:
+        if self._pidfd is not None:
+            asyncio.get_running_loop().remove_reader(self._pidfd)
+        self._die(f"the engine process (pid {self.info.pid}) exited")
+
+    def _die(self, reason: str) -> None:
+        if self.dead is not None:
+            return
+        self.dead = reason
+        error = EngineDeadError(reason)
+        for _, sink in self._streams.values():
+            sink.put_nowait(error)
+        self._streams.clear()
+        if self.on_dead is not None:
+            self.on_dead(reason)
+
+
+def _stats(stats: wire.WireStats) -> EngineStats:
+    return EngineStats(*(getattr(stats, name) for name in stats.__struct_fields__))
+
+
+def _open_pidfd(pid: int) -> int | None:
+    """A descriptor that becomes readable when process ``pid`` exits (None without pidfd
+    support: Linux before 5.3, other systems; callers then poll :func:`_alive`)."""
+    if not hasattr(os, "pidfd_open"):
+        return None
+    try:
+        return os.pidfd_open(pid)
+    except OSError:
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,225 @@
+"""``brigade serve`` with the engine in its own process: the supervisor and the front ends.
+
+The process started by ``brigade serve`` binds the port, then supervises (it serves no HTTP):
+
+- one engine process (``brigade.server.engine_process``), the ZMQ ROUTER at an ``ipc://``
+  socket in a private temporary directory;
+- ``[server] api_server_count`` front-end processes, each a uvicorn server accepting on the
+  inherited listening socket (one port, one accept queue) with an ``EngineClient``.
+
+All are started with ``multiprocessing``'s spawn method, in their own process groups so that
+a terminal's Ctrl-C reaches the supervisor alone, which forwards SIGINT/SIGTERM to the front
+ends (first signal: drain, second: stop at once, as in ``brigade.server.lifecycle``), then
+stops the engine once every front end has left. A front end notices the engine's death
+itself (pidfd) and exits with ``EXIT_ENGINE_DEAD`` after answering 503 for a moment; a front
+end that exits unexpectedly makes the supervisor stop the others. Engine and front ends exit
+on their own when the supervisor disappears. The supervisor's exit status is the worst of
+its children's (1 when the engine or a front end died).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.connection
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from multiprocessing.process import BaseProcess
+from types import FrameType
+from typing import TYPE_CHECKING
+
+import structlog
+
+from brigade.server.engine_process import run_engine_process, watch_parent
+from brigade.server.lifecycle import DEAD_LINGER_S, EXIT_ENGINE_DEAD, EXIT_OK, EXIT_STARTUP_ERROR
+
+if TYPE_CHECKING:
+    from brigade.config import EngineConfig
+
+__all__ = ["run_frontend_process", "supervise"]
+
+log = structlog.get_logger("brigade.server")
+
+STOP_ENGINE_S = 10.0
+"""After the front ends have left, how long the engine may take to stop before SIGKILL."""
+FRONTEND_EXIT_S = DEAD_LINGER_S + 10.0
+"""With the engine dead, how long the front ends may take to exit before SIGKILL."""
+_WAIT_S = 0.5
+
+
+def supervise(
+    config_path: str | None, overrides: list[str], config: EngineConfig, sock: socket.socket
+) -> int:
+    """Start the engine and the front ends on ``sock``; wait for them; the exit status."""
+    settings = config["server"].settings
+    context = multiprocessing.get_context("spawn")
+    rundir = tempfile.mkdtemp(prefix="brigade-")
+    address = f"ipc://{rundir}/engine"
+    me = os.getpid()
+    engine = context.Process(
+        target=run_engine_process,
+        args=(config_path, overrides, address, me),
+        name="brigade-engine",
+    )
+    frontends: list[BaseProcess] = []
+    try:
+        engine.start()
+        for index in range(settings.api_server_count):
+            frontend = context.Process(
+                target=run_frontend_process,
+                args=(config_path, overrides, index, sock, address, engine.pid, me),
+                name=f"brigade-frontend-{index}",
+            )
+            frontend.start()
+            frontends.append(frontend)
+        sock.close()  # the front ends hold their own copies
+        log.info(
+            "processes_started",
+            engine_pid=engine.pid,
+            frontend_pids=[p.pid for p in frontends],
+            address=address,
+        )
+        return Supervisor(engine, frontends).run()
+    finally:
+        for process in [*frontends, engine]:
+            if process.is_alive():  # only after a failure in this function itself
+                process.kill()
+                process.join()
+        shutil.rmtree(rundir, ignore_errors=True)
+
+
+class Supervisor:
+    """Waits on its children's sentinels; forwards signals; decides the exit status."""
+
+    def __init__(self, engine: BaseProcess, frontends: list[BaseProcess]) -> None:
+        self.engine = engine
+        self.frontends = frontends
+        self.exit_code = EXIT_OK
+        self._stopping = False
+        self._failed = False
+        self._kill_deadline: float | None = None
+
+    def run(self) -> int:
+        handled = (signal.SIGINT, signal.SIGTERM)
+        originals = {sig: signal.signal(sig, self._forward) for sig in handled}
+        try:
+            self._wait_for_frontends()
+        finally:
+            for sig, handler in originals.items():
+                signal.signal(sig, handler)
+        self._stop_engine()
+        log.info("server_stopped", exit_code=self.exit_code)
+        return self.exit_code
+
+    def _forward(self, sig: int, frame: FrameType | None) -> None:
+        self._stopping = True
+        for process in self.frontends:
+            if process.exitcode is None and process.pid is not None:
+                os.kill(process.pid, sig)
+
+    def _wait_for_frontends(self) -> None:
+        engine_seen = False
+        reported: set[int] = set()
+        while any(p.exitcode is None for p in self.frontends):
+            sentinels = [p.sentinel for p in self.frontends if p.exitcode is None]
+            if self.engine.exitcode is None:
+                sentinels.append(self.engine.sentinel)
+            multiprocessing.connection.wait(sentinels, timeout=_WAIT_S)
+            if not engine_seen and self.engine.exitcode is not None:
+                engine_seen = True
+                self._engine_exited()
+            for index, process in enumerate(self.frontends):
+                if process.exitcode is not None and index not in reported:
+                    reported.add(index)
+                    self._frontend_exited(index, process.exitcode)
+            if self._kill_deadline is not None and time.monotonic() > self._kill_deadline:
+                for process in self.frontends:
+                    if process.exitcode is None:
+                        log.error("frontend_killed", pid=process.pid)
+                        process.kill()
+
+    def _engine_exited(self) -> None:
+        code = self.engine.exitcode
+        if self._stopping and code == 0:
+            return
+        # The front ends see it too (pidfd): they answer 503, fail their requests and exit.
+        log.critical("engine_process_exited", exit_code=code, pid=self.engine.pid)
+        self.exit_code = max(
+            self.exit_code, EXIT_STARTUP_ERROR if code == EXIT_STARTUP_ERROR else EXIT_ENGINE_DEAD
+        )
+        self._kill_deadline = time.monotonic() + FRONTEND_EXIT_S
+
+    def _frontend_exited(self, index: int, code: int | None) -> None:
+        if code == EXIT_OK and self._stopping:
+            return
+        if code is not None and code > 0:
+            self.exit_code = max(self.exit_code, code)
+        else:  # killed by a signal, or gone without being asked
+            self.exit_code = max(self.exit_code, EXIT_ENGINE_DEAD)
+        if self._stopping or self._failed or self.engine.exitcode is not None:
+            return
+        self._failed = True
+        log.critical("frontend_exited", frontend=index, exit_code=code, stopping_the_others=True)
+        self._forward(signal.SIGTERM, None)
+        self._kill_deadline = time.monotonic() + FRONTEND_EXIT_S
+
+    def _stop_engine(self) -> None:
+        engine = self.engine
+        if engine.exitcode is None:
+            engine.terminate()  # SIGTERM: it stops after its current step
+            engine.join(STOP_ENGINE_S)
+        if engine.exitcode is None:
+            log.error("engine_killed", pid=engine.pid)
+            engine.kill()
+            engine.join()
+
+
+def run_frontend_process(
+    config_path: str | None,
+    overrides: list[str],
+    index: int,
+    sock: socket.socket,
+    address: str,
+    engine_pid: int,
+    parent_pid: int,
+) -> None:
+    """A front end's entry (``multiprocessing`` spawn target): HTTP on ``sock``, requests to
+    the engine at ``address``."""
+    os.setpgrp()  # signals come from the supervisor, not from the terminal
+    watch_parent(parent_pid)
+    from brigade.assemble import open_model
+    from brigade.config import load_config
+    from brigade.errors import BrigadeError, EngineDeadError
+    from brigade.models.checkpoint import require_tokenizer
+    from brigade.registry import default_registry
+    from brigade.server.engine_client import EngineClient
+    from brigade.server.logs import configure_logging
+    from brigade.server.serve import frontend_state, run_http
+
+    configure_logging()
+    structlog.contextvars.bind_contextvars(frontend=index)
+    try:
+        registry = default_registry()
+        config = load_config(config_path, registry, overrides=overrides)
+        settings = config["server"].settings
+        checkpoint = open_model(config)
+        require_tokenizer(checkpoint)  # read while the engine loads its weights
+    except BrigadeError as exc:  # the engine says the same; one line each is enough
+        print(f"brigade: error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_STARTUP_ERROR)
+    try:
+        client = EngineClient.connect(
+            address,
+            engine_pid,
+            frontend=index,
+            max_waiting_requests=settings.max_waiting_requests,
+        )
+    except EngineDeadError as exc:
+        log.critical("engine_dead", reason=str(exc), exit_code=EXIT_ENGINE_DEAD)
+        sys.exit(EXIT_ENGINE_DEAD)
+    state = frontend_state(config, registry, client, checkpoint)
+    sys.exit(run_http(state, config, sock, announce=index == 0))
