@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -108,3 +109,18 @@ def running_server(
 def server_log(workdir: Path, base: str) -> str:
     """The output of the server at ``base`` started in ``workdir``."""
     return (workdir / f"server-{base.rsplit(':', 1)[1]}.log").read_text()
+
+
+def log_events(log: str, event: str) -> list[dict]:
+    """The server's JSON log lines for ``event``."""
+    lines = (json.loads(raw) for raw in log.splitlines() if raw.startswith("{"))
+    return [line for line in lines if line.get("event") == event]
+
+
+def completion(base: str, max_tokens: int = 4) -> int:
+    """Tokens of a greedy completion of a 3-token prompt, on a fresh connection (the kernel
+    hands each to any front end); the answer must be a 200."""
+    body = {"prompt": [5, 6, 7], "max_tokens": max_tokens, "temperature": 0}
+    response = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    return int(response.json()["usage"]["completion_tokens"])

@@ -1,7 +1,8 @@
 """Data parallel serving: several engine replicas behind the router station.
 
-``ReplicatedEngine`` looks to the HTTP handlers like one engine (the ``AsyncEngine``
-interface: ``generate``, ``abort``, ``check_capacity``, ``snapshot``, ``dead``...). Each new
+``ReplicatedEngine`` looks to the HTTP handlers like one engine (the ``RequestStreams``
+seam: ``admit``, ``generate``, ``abort``, ``check_capacity``, ``info``, ``snapshot``,
+``dead``...) over N of them, each an ``EngineClient`` of its own engine process. Each new
 request goes to the replica the router picks from every live replica's load as of its latest
 step; the router hears when the request ends. A replica that dies is taken out of rotation:
 its in-flight requests end with its error, the others keep serving, and only when every
@@ -12,27 +13,47 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Protocol
+
+import structlog
 
 from brigade.admission import Admission
 from brigade.engine import EngineStats, StepUpdate
-from brigade.interfaces import EMPTY_EXTRA, ExtraValue, ReplicaLoad, Router, SamplingParams
+from brigade.interfaces import (
+    EMPTY_EXTRA,
+    ExtraValue,
+    PoolingParams,
+    ReplicaLoad,
+    Router,
+    SamplingParams,
+)
+from brigade.server.engine_protocol import EngineInfo
 from brigade.server.errors import EngineOverloadedError, EngineUnavailableError
 
 __all__ = ["EngineReplica", "ReplicatedEngine", "combined_stats"]
 
-logger = logging.getLogger(__name__)
+log = structlog.get_logger("brigade.server")
 
 
 class EngineReplica(Protocol):
-    """What the front end needs of one engine (``AsyncEngine`` in-process, or a client of
-    an engine process)."""
+    """What the front end needs of one engine (a ``RequestStreams``: ``EngineClient`` of an
+    engine process, or ``AsyncEngine`` in this process)."""
 
     dead: str | None
     snapshot: EngineStats
     on_dead: Callable[[str], None] | None
+    info: EngineInfo
+
+    def admit(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        pooling: PoolingParams | None = None,
+    ) -> Admission: ...
+
+    async def start(self) -> None: ...
 
     @property
     def num_unstarted(self) -> int: ...
@@ -63,9 +84,8 @@ class EngineReplica(Protocol):
 class ReplicatedEngine:
     """N engine replicas that answer as one; the router places each request.
 
-    ``replicas[i]`` is replica ``i`` (the router's ``ReplicaLoad.index``). ``engine`` is the
-    first replica's engine where replicas run in this process (what the handlers read of the
-    model: vocabulary, limits, sampling defaults; every replica serves the same config).
+    ``replicas[i]`` is replica ``i`` (the router's ``ReplicaLoad.index``). Every replica
+    serves the same config, so the first one's ``info`` stands for all.
     """
 
     def __init__(
@@ -80,7 +100,7 @@ class ReplicatedEngine:
         self.replicas = list(replicas)
         self.router = router
         self.on_dead = on_dead
-        self.engine: Any = getattr(replicas[0], "engine", None)
+        self.info = replicas[0].info
         self._placed: dict[str, int] = {}
         """Request id -> the replica it runs on, from routing to its end."""
         self._deaths: dict[int, str] = {}
@@ -91,6 +111,21 @@ class ReplicatedEngine:
                 self._replica_died(index, replica.dead)
 
     # -- what the handlers call ------------------------------------------------------------
+
+    def admit(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        pooling: PoolingParams | None = None,
+    ) -> Admission:
+        """The checks every replica would make (they serve one config): a live one's."""
+        live = self._live() or self.replicas
+        return live[0].admit(prompt_token_ids, params, pooling=pooling)
+
+    async def start(self) -> None:
+        for replica in self.replicas:
+            await replica.start()
 
     @property
     def snapshot(self) -> EngineStats:
@@ -205,12 +240,12 @@ class ReplicatedEngine:
         if index in self._deaths:
             return
         self._deaths[index] = reason
-        logger.error(
-            "engine replica %d failed (%s); %d of %d replicas left in rotation",
-            index,
-            reason,
-            self.num_live,
-            len(self.replicas),
+        log.error(
+            "engine_replica_failed",
+            replica=index,
+            reason=reason,
+            replicas_in_rotation=self.num_live,
+            replicas=len(self.replicas),
         )
         if self.num_live == 0:
             self.dead = f"replica {index}: {reason}"

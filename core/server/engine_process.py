@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 
+import structlog
 import torch
 import zmq
 
@@ -59,18 +60,26 @@ def watch_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="brigade-parent-watch", daemon=True).start()
 
 
-def engine_threads(num_frontends: int) -> int:
-    """torch's CPU threads in the engine process: the cores this process may use, less one
-    per front end. Front ends are busy while the engine steps (HTTP, detokenization); torch's
-    default (every core) would oversubscribe them, and its threads then wait on each other at
-    every op (measured: 0.34x the thread mode's tok/s on 2 cores; benchmarks/serve_process.py)."""
-    return max(1, len(os.sched_getaffinity(0)) - num_frontends)
+def engine_threads(num_frontends: int, num_replicas: int = 1) -> int:
+    """torch's CPU threads in an engine process: the cores this process may use, less one
+    per front end, shared out among the replicas. Front ends are busy while the engine steps
+    (HTTP, detokenization); torch's default (every core) would oversubscribe them, and its
+    threads then wait on each other at every op (measured: 0.34x the thread mode's tok/s on 2
+    cores; benchmarks/serve_process.py)."""
+    return max(1, (len(os.sched_getaffinity(0)) - num_frontends) // num_replicas)
 
 
 def run_engine_process(
-    config_path: str | None, overrides: list[str], address: str, parent_pid: int
+    config_path: str | None,
+    overrides: list[str],
+    address: str,
+    parent_pid: int,
+    *,
+    replica: int = 0,
+    num_replicas: int = 1,
 ) -> None:
-    """The engine process's entry (``multiprocessing`` spawn target)."""
+    """The engine process's entry (``multiprocessing`` spawn target); ``replica`` of
+    ``num_replicas`` data-parallel replicas (each one engine)."""
     os.setpgrp()  # a terminal's Ctrl-C reaches the supervisor only; it stops us in order
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     watch_parent(parent_pid)
@@ -80,10 +89,14 @@ def run_engine_process(
     from brigade.startup import startup_banner
 
     configure_logging()
+    if num_replicas > 1:
+        structlog.contextvars.bind_contextvars(replica=replica)
+        overrides = [*overrides, "router.data_parallel_size=1"]  # this process is one of them
     try:
         registry = default_registry()
         config = load_config(config_path, registry, overrides=overrides)
-        torch.set_num_threads(engine_threads(config["server"].settings.api_server_count))
+        frontends = config["server"].settings.api_server_count
+        torch.set_num_threads(engine_threads(frontends, num_replicas))
         engine = EngineCore(config, registry)  # an executor's own num_threads option still wins
     except BrigadeError as exc:  # the model or the config: what the CLI says for it, and 2
         print(f"brigade: error: {exc}", file=sys.stderr, flush=True)

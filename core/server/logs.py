@@ -103,6 +103,18 @@ class _NamedPrintLogger(structlog.PrintLogger):
     def __init__(self, file: TextIO, name: str | None) -> None:
         super().__init__(file)
         self.name = name
+        self._stream = file
+
+    def msg(self, message: str) -> None:
+        """One write per line: the server's processes share one stream, and ``print`` writes
+        the newline apart (unbuffered, as under PYTHONUNBUFFERED, two processes' lines would
+        run together)."""
+        with self._lock:
+            self._stream.write(message + "\n")
+            self._stream.flush()
+
+    log = debug = info = warn = warning = msg
+    fatal = failure = err = error = critical = exception = msg
 
 
 class _NamedPrintLoggerFactory:

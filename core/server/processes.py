@@ -39,6 +39,7 @@ from brigade.server.lifecycle import DEAD_LINGER_S, EXIT_ENGINE_DEAD, EXIT_OK, E
 
 if TYPE_CHECKING:
     from brigade.config import EngineConfig
+    from brigade.server.request_streams import RequestStreams
 
 __all__ = ["run_frontend_process", "supervise"]
 
@@ -54,24 +55,33 @@ _WAIT_S = 0.5
 def supervise(
     config_path: str | None, overrides: list[str], config: EngineConfig, sock: socket.socket
 ) -> int:
-    """Start the engine and the front ends on ``sock``; wait for them; the exit status."""
+    """Start the engine(s) and the front ends on ``sock``; wait for them; the exit status.
+    With ``[router] data_parallel_size = N`` there are N engine processes (replicas), and
+    every front end routes over all of them."""
     settings = config["server"].settings
+    num_replicas = config["router"].settings.data_parallel_size
     context = multiprocessing.get_context("spawn")
     rundir = tempfile.mkdtemp(prefix="brigade-")
-    address = f"ipc://{rundir}/engine"
+    addresses = [f"ipc://{rundir}/engine-{replica}" for replica in range(num_replicas)]
     me = os.getpid()
-    engine = context.Process(
-        target=run_engine_process,
-        args=(config_path, overrides, address, me),
-        name="brigade-engine",
-    )
+    engines: list[BaseProcess] = [
+        context.Process(
+            target=run_engine_process,
+            args=(config_path, overrides, address, me),
+            kwargs={"replica": replica, "num_replicas": num_replicas},
+            name="brigade-engine" if num_replicas == 1 else f"brigade-engine-{replica}",
+        )
+        for replica, address in enumerate(addresses)
+    ]
     frontends: list[BaseProcess] = []
     try:
-        engine.start()
+        for engine in engines:
+            engine.start()
+        pids = [engine.pid for engine in engines]
         for index in range(settings.api_server_count):
             frontend = context.Process(
                 target=run_frontend_process,
-                args=(config_path, overrides, index, sock, address, engine.pid, me),
+                args=(config_path, overrides, index, sock, addresses, pids, me),
                 name=f"brigade-frontend-{index}",
             )
             frontend.start()
@@ -79,13 +89,13 @@ def supervise(
         sock.close()  # the front ends hold their own copies
         log.info(
             "processes_started",
-            engine_pid=engine.pid,
+            engine_pids=pids,
             frontend_pids=[p.pid for p in frontends],
-            address=address,
+            addresses=addresses,
         )
-        return Supervisor(engine, frontends).run()
+        return Supervisor(engines, frontends).run()
     finally:
-        for process in [*frontends, engine]:
+        for process in [*frontends, *engines]:
             if process.is_alive():  # only after a failure in this function itself
                 process.kill()
                 process.join()
@@ -93,10 +103,12 @@ def supervise(
 
 
 class Supervisor:
-    """Waits on its children's sentinels; forwards signals; decides the exit status."""
+    """Waits on its children's sentinels; forwards signals; decides the exit status. An
+    engine replica that exits while others run is logged (the front ends take it out of
+    rotation); the last one's exit stops the server."""
 
-    def __init__(self, engine: BaseProcess, frontends: list[BaseProcess]) -> None:
-        self.engine = engine
+    def __init__(self, engines: list[BaseProcess], frontends: list[BaseProcess]) -> None:
+        self.engines = engines
         self.frontends = frontends
         self.exit_code = EXIT_OK
         self._stopping = False
@@ -122,16 +134,16 @@ class Supervisor:
                 os.kill(process.pid, sig)
 
     def _wait_for_frontends(self) -> None:
-        engine_seen = False
+        engines_seen: set[int] = set()
         reported: set[int] = set()
         while any(p.exitcode is None for p in self.frontends):
             sentinels = [p.sentinel for p in self.frontends if p.exitcode is None]
-            if self.engine.exitcode is None:
-                sentinels.append(self.engine.sentinel)
+            sentinels += [p.sentinel for p in self.engines if p.exitcode is None]
             multiprocessing.connection.wait(sentinels, timeout=_WAIT_S)
-            if not engine_seen and self.engine.exitcode is not None:
-                engine_seen = True
-                self._engine_exited()
+            for replica, engine in enumerate(self.engines):
+                if engine.exitcode is not None and replica not in engines_seen:
+                    engines_seen.add(replica)
+                    self._engine_exited(replica, engine)
             for index, process in enumerate(self.frontends):
                 if process.exitcode is not None and index not in reported:
                     reported.add(index)
@@ -142,16 +154,23 @@ class Supervisor:
                         log.error("frontend_killed", pid=process.pid)
                         process.kill()
 
-    def _engine_exited(self) -> None:
-        code = self.engine.exitcode
+    def _engines_dead(self) -> bool:
+        return all(engine.exitcode is not None for engine in self.engines)
+
+    def _engine_exited(self, replica: int, engine: BaseProcess) -> None:
+        code = engine.exitcode
         if self._stopping and code == 0:
             return
-        # The front ends see it too (pidfd): they answer 503, fail their requests and exit.
-        log.critical("engine_process_exited", exit_code=code, pid=self.engine.pid)
+        # The front ends see it too (pidfd): they fail its requests; when no replica is left
+        # they answer 503 and exit.
+        log.critical("engine_process_exited", replica=replica, exit_code=code, pid=engine.pid)
         self.exit_code = max(
             self.exit_code, EXIT_STARTUP_ERROR if code == EXIT_STARTUP_ERROR else EXIT_ENGINE_DEAD
         )
-        self._kill_deadline = time.monotonic() + FRONTEND_EXIT_S
+        if code == EXIT_STARTUP_ERROR and not self._stopping:
+            self._forward(signal.SIGTERM, None)  # a replica that cannot load: none will
+        if self._engines_dead() or code == EXIT_STARTUP_ERROR:
+            self._kill_deadline = time.monotonic() + FRONTEND_EXIT_S
 
     def _frontend_exited(self, index: int, code: int | None) -> None:
         if code == EXIT_OK and self._stopping:
@@ -160,7 +179,7 @@ class Supervisor:
             self.exit_code = max(self.exit_code, code)
         else:  # killed by a signal, or gone without being asked
             self.exit_code = max(self.exit_code, EXIT_ENGINE_DEAD)
-        if self._stopping or self._failed or self.engine.exitcode is not None:
+        if self._stopping or self._failed or self._engines_dead():
             return
         self._failed = True
         log.critical("frontend_exited", frontend=index, exit_code=code, stopping_the_others=True)
@@ -168,14 +187,16 @@ class Supervisor:
         self._kill_deadline = time.monotonic() + FRONTEND_EXIT_S
 
     def _stop_engine(self) -> None:
-        engine = self.engine
-        if engine.exitcode is None:
-            engine.terminate()  # SIGTERM: it stops after its current step
-            engine.join(STOP_ENGINE_S)
-        if engine.exitcode is None:
-            log.error("engine_killed", pid=engine.pid)
-            engine.kill()
-            engine.join()
+        for engine in self.engines:
+            if engine.exitcode is None:
+                engine.terminate()  # SIGTERM: it stops after its current step
+        deadline = time.monotonic() + STOP_ENGINE_S
+        for engine in self.engines:
+            engine.join(max(0.0, deadline - time.monotonic()))
+            if engine.exitcode is None:
+                log.error("engine_killed", pid=engine.pid)
+                engine.kill()
+                engine.join()
 
 
 def run_frontend_process(
@@ -183,12 +204,12 @@ def run_frontend_process(
     overrides: list[str],
     index: int,
     sock: socket.socket,
-    address: str,
-    engine_pid: int,
+    addresses: list[str],
+    engine_pids: list[int],
     parent_pid: int,
 ) -> None:
     """A front end's entry (``multiprocessing`` spawn target): HTTP on ``sock``, requests to
-    the engine at ``address``."""
+    the engine at ``addresses[0]``, or routed over the replicas at ``addresses``."""
     os.setpgrp()  # signals come from the supervisor, not from the terminal
     watch_parent(parent_pid)
     from brigade.assemble import open_model
@@ -212,14 +233,28 @@ def run_frontend_process(
         print(f"brigade: error: {exc}", file=sys.stderr, flush=True)
         sys.exit(EXIT_STARTUP_ERROR)
     try:
-        client = EngineClient.connect(
-            address,
-            engine_pid,
-            frontend=index,
-            max_waiting_requests=settings.max_waiting_requests,
-        )
+        clients = [
+            EngineClient.connect(
+                address,
+                engine_pid,
+                frontend=index,
+                max_waiting_requests=settings.max_waiting_requests,
+            )
+            for address, engine_pid in zip(addresses, engine_pids, strict=True)
+        ]
     except EngineDeadError as exc:
         log.critical("engine_dead", reason=str(exc), exit_code=EXIT_ENGINE_DEAD)
         sys.exit(EXIT_ENGINE_DEAD)
-    state = frontend_state(config, registry, client, checkpoint)
+    streams: RequestStreams = clients[0]
+    if len(clients) > 1:
+        from brigade.interfaces import RouterParams
+        from brigade.server.data_parallel import ReplicatedEngine
+
+        info = clients[0].info
+        component = registry.get("router", config.plugin("router") or "round-robin")
+        router = component.factory(
+            RouterParams(len(clients), info.page_size, info.num_pages), config["router"].options
+        )
+        streams = ReplicatedEngine(clients, router)  # type: ignore[assignment]
+    state = frontend_state(config, registry, streams, checkpoint)
     sys.exit(run_http(state, config, sock, announce=index == 0))

@@ -83,6 +83,13 @@ def serve(config_path: str | None, overrides: list[str]) -> int:
             "[server] engine_process = true (front ends share one engine process); set "
             "api_server_count = 1 or engine_process = true"
         )
+    replicas = config["router"].settings.data_parallel_size
+    if replicas > 1 and not settings.engine_process:
+        raise ConfigError(
+            f"{config.source}: [router] data_parallel_size = {replicas} needs [server] "
+            "engine_process = true (each replica is an engine process); set "
+            "data_parallel_size = 1 or engine_process = true"
+        )
     # Take the port before loading the model: a busy port fails in a second, not a minute.
     sock = _listen(settings.host, settings.port)
     if settings.engine_process:

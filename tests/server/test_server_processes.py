@@ -19,7 +19,15 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from server_harness import free_port, running_server, server_log, tiny_model, tiny_server_config
+from server_harness import (
+    completion,
+    free_port,
+    log_events,
+    running_server,
+    server_log,
+    tiny_model,
+    tiny_server_config,
+)
 
 ROUNDS = 10
 """Bounded: concurrent rounds until both front ends have answered."""
@@ -36,28 +44,14 @@ def served(
         yield base, process, workdir
 
 
-def log_events(log: str, event: str) -> list[dict]:
-    """The server's JSON log lines for ``event``."""
-    lines = (json.loads(raw) for raw in log.splitlines() if raw.startswith("{"))
-    return [line for line in lines if line.get("event") == event]
-
-
 def pids(log: str) -> tuple[int, list[int]]:
     """The engine's and the front ends' process ids, from the supervisor's log line."""
     line = log_events(log, "processes_started")[0]
-    return int(line["engine_pid"]), [int(pid) for pid in line["frontend_pids"]]
+    return int(line["engine_pids"][0]), [int(pid) for pid in line["frontend_pids"]]
 
 
 def frontends_that_answered(log: str) -> set[int]:
     return {int(line["frontend"]) for line in log_events(log, "request_finished")}
-
-
-def completion(base: str, max_tokens: int = 4) -> int:
-    body = {"prompt": [5, 6, 7], "max_tokens": max_tokens, "temperature": 0}
-    # A fresh connection per request: the kernel hands each to either front end.
-    response = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
-    assert response.status_code == 200, response.text
-    return int(response.json()["usage"]["completion_tokens"])
 
 
 def test_two_front_ends_serve_concurrent_requests_on_one_port(
