@@ -129,8 +129,17 @@ class ReplicatedEngine:
 
     @property
     def snapshot(self) -> EngineStats:
-        """Every live replica's counters added up (a dead one's requests are gone)."""
-        return combined_stats([r.snapshot for r in self._live()])
+        """Every replica's counters added up: the live ones' gauges (requests, pages; a dead
+        one's are gone), and every one's running totals (steps, prefix-cache lookups,
+        preemptions), so that they never go back."""
+        live = combined_stats([r.snapshot for r in self._live()])
+        dead = [self.replicas[index].snapshot for index in self._deaths]
+        if not dead:
+            return live
+        return dataclasses.replace(
+            live,
+            **{name: getattr(live, name) + sum(getattr(s, name) for s in dead) for name in _TOTALS},
+        )
 
     @property
     def num_unstarted(self) -> int:
@@ -251,6 +260,10 @@ class ReplicatedEngine:
             self.dead = f"replica {index}: {reason}"
             if self.on_dead is not None:
                 self.on_dead(self.dead)
+
+
+_TOTALS = ("num_steps", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits")
+"""``EngineStats`` fields that only grow (the others are gauges)."""
 
 
 def combined_stats(snapshots: Sequence[EngineStats]) -> EngineStats:

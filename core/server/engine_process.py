@@ -60,13 +60,13 @@ def watch_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="brigade-parent-watch", daemon=True).start()
 
 
-def engine_threads(num_frontends: int, num_replicas: int = 1) -> int:
-    """torch's CPU threads in an engine process: the cores this process may use, less one
-    per front end, shared out among the replicas. Front ends are busy while the engine steps
-    (HTTP, detokenization); torch's default (every core) would oversubscribe them, and its
-    threads then wait on each other at every op (measured: 0.34x the thread mode's tok/s on 2
-    cores; benchmarks/serve_process.py)."""
-    return max(1, (len(os.sched_getaffinity(0)) - num_frontends) // num_replicas)
+def engine_threads(num_replicas: int = 1) -> int:
+    """torch's CPU threads in an engine process: the cores this process may use, shared out
+    among the replicas. The front ends are not given a core of their own: on SmolLM2 with 128
+    streams on 2 cores, an engine on 1 thread served 0.58x the tok/s of one on 2, and
+    0.64x the thread mode's (benchmarks/serving.py); only on a 2-layer random model, where
+    the front ends' work outweighs the model's, did the spare core pay."""
+    return max(1, len(os.sched_getaffinity(0)) // num_replicas)
 
 
 def run_engine_process(
@@ -95,8 +95,7 @@ def run_engine_process(
     try:
         registry = default_registry()
         config = load_config(config_path, registry, overrides=overrides)
-        frontends = config["server"].settings.api_server_count
-        torch.set_num_threads(engine_threads(frontends, num_replicas))
+        torch.set_num_threads(engine_threads(num_replicas))
         engine = EngineCore(config, registry)  # an executor's own num_threads option still wins
     except BrigadeError as exc:  # the model or the config: what the CLI says for it, and 2
         print(f"brigade: error: {exc}", file=sys.stderr, flush=True)
