@@ -61,7 +61,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
     # Simulated: Llama-3-70B replicas on H100s; live: SmolLM2 on this CPU's cores.
-    defaults = (2, 48, 6, 8, 256, 3.0) if args.live else (4, 320, 8, 24, 1024, 40.0)
+    defaults = (2, 64, 6, 8, 256, 3.0) if args.live else (4, 320, 8, 24, 1024, 40.0)
     for name, default in zip(
         ("replicas", "pages", "groups", "per_group", "prefix", "rate"), defaults, strict=True
     ):

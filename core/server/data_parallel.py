@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
-from typing import Protocol
 
 import structlog
 
@@ -28,57 +27,12 @@ from brigade.interfaces import (
     Router,
     SamplingParams,
 )
-from brigade.server.engine_protocol import EngineInfo
 from brigade.server.errors import EngineOverloadedError, EngineUnavailableError
+from brigade.server.request_streams import RequestStreams
 
-__all__ = ["EngineReplica", "ReplicatedEngine", "combined_stats"]
+__all__ = ["ReplicatedEngine", "combined_stats"]
 
 log = structlog.get_logger("brigade.server")
-
-
-class EngineReplica(Protocol):
-    """What the front end needs of one engine (a ``RequestStreams``: ``EngineClient`` of an
-    engine process, or ``AsyncEngine`` in this process)."""
-
-    dead: str | None
-    snapshot: EngineStats
-    on_dead: Callable[[str], None] | None
-    info: EngineInfo
-
-    def admit(
-        self,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams,
-        *,
-        pooling: PoolingParams | None = None,
-    ) -> Admission: ...
-
-    async def start(self) -> None: ...
-
-    @property
-    def num_unstarted(self) -> int: ...
-
-    @property
-    def num_in_flight(self) -> int: ...
-
-    def check_capacity(self, num_requests: int = 1) -> None: ...
-
-    def generate(
-        self,
-        request_id: str,
-        admission: Admission,
-        params: SamplingParams,
-        *,
-        priority: int = 0,
-        check_queue: bool = True,
-        extra: Mapping[str, ExtraValue] = EMPTY_EXTRA,
-    ) -> AsyncGenerator[StepUpdate, None]: ...
-
-    def abort(self, request_id: str) -> None: ...
-
-    def abort_all(self) -> None: ...
-
-    def shutdown(self, timeout: float = 5.0) -> None: ...
 
 
 class ReplicatedEngine:
@@ -90,7 +44,7 @@ class ReplicatedEngine:
 
     def __init__(
         self,
-        replicas: Sequence[EngineReplica],
+        replicas: Sequence[RequestStreams],
         router: Router,
         *,
         on_dead: Callable[[str], None] | None = None,
@@ -216,7 +170,7 @@ class ReplicatedEngine:
 
     # -- routing and failures -----------------------------------------------------------
 
-    def _live(self) -> list[EngineReplica]:
+    def _live(self) -> list[RequestStreams]:
         return [r for i, r in enumerate(self.replicas) if i not in self._deaths]
 
     def _route(self, request_id: str, prompt_token_ids: Sequence[int]) -> int:
