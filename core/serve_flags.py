@@ -477,7 +477,12 @@ FLAGS: tuple[ServeFlag, ...] = (
     # vLLM features Brigade does not have.
     _refused(("--pipeline-parallel-size", "-pp"), "pipeline parallelism is not implemented yet"),
     _refused(("--enable-expert-parallel", "-ep"), "expert parallelism is not implemented yet"),
-    _refused("--headless", "there is no multi-node mode"),
+    _refused(
+        "--headless",
+        "Brigade has no headless engine nodes: several machines run tensor-parallel ranks and "
+        "generate's replicas through Ray (--distributed-executor-backend ray; "
+        "docs/distributed.md)",
+    ),
     _refused(
         ("--quantization", "-q"),
         "quantized inference is not implemented yet; a quantized GGUF file is dequantized on "
