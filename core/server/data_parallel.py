@@ -87,7 +87,7 @@ class ReplicatedEngine:
         one's are gone), and every one's running totals (steps, prefix-cache lookups,
         preemptions), so that they never go back."""
         live = combined_stats([r.snapshot for r in self._live()])
-        dead = [self.replicas[index].snapshot for index in self._deaths]
+        dead = [r.snapshot for i, r in enumerate(self.replicas) if not self._in_rotation(i)]
         if not dead:
             return live
         return dataclasses.replace(
@@ -106,7 +106,7 @@ class ReplicatedEngine:
     @property
     def num_live(self) -> int:
         """Replicas in rotation."""
-        return len(self.replicas) - len(self._deaths)
+        return sum(self._in_rotation(index) for index in range(len(self.replicas)))
 
     def check_capacity(self, num_requests: int = 1) -> None:
         """Raise unless some live replica can queue ``num_requests`` more now."""
@@ -170,13 +170,18 @@ class ReplicatedEngine:
 
     # -- routing and failures -----------------------------------------------------------
 
+    def _in_rotation(self, index: int) -> bool:
+        """Alive as far as this front end knows: a replica's ``dead`` is set before its
+        ``on_dead`` callback runs (on its own thread), so both are read."""
+        return index not in self._deaths and self.replicas[index].dead is None
+
     def _live(self) -> list[RequestStreams]:
-        return [r for i, r in enumerate(self.replicas) if i not in self._deaths]
+        return [r for i, r in enumerate(self.replicas) if self._in_rotation(i)]
 
     def _route(self, request_id: str, prompt_token_ids: Sequence[int]) -> int:
         loads = []
         for index, replica in enumerate(self.replicas):
-            if index in self._deaths:
+            if not self._in_rotation(index):
                 continue
             stats = replica.snapshot
             used = 1.0 - stats.num_free_pages / stats.num_pages if stats.num_pages else 0.0
@@ -210,7 +215,7 @@ class ReplicatedEngine:
             replicas_in_rotation=self.num_live,
             replicas=len(self.replicas),
         )
-        if self.num_live == 0:
+        if self.num_live == 0 and self.dead is None:  # once, whichever death comes last
             self.dead = f"replica {index}: {reason}"
             if self.on_dead is not None:
                 self.on_dead(self.dead)

@@ -5,6 +5,7 @@ serve, and the whole engine dead only when every replica is."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -136,6 +137,9 @@ def test_a_dead_replica_leaves_rotation_and_the_last_death_kills_the_engine(
 
     engines[0].engine.step = broken_step.__get__(engines[0].engine)  # type: ignore[method-assign]
     assert isinstance(asyncio.run(one("last")), EngineDeadError)
+    deadline = time.monotonic() + 10  # on_dead runs on the dying replica's thread
+    while replicated.dead is None and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert replicated.dead is not None
     assert deaths == [replicated.dead]
     with pytest.raises(EngineUnavailableError, match="every engine replica has failed"):
