@@ -50,7 +50,7 @@ class EngineClient(RequestStreams):
     def __init__(
         self,
         info: wire.EngineInfo,
-        stats: wire.WireStats,
+        stats: EngineStats,
         address: str,
         *,
         frontend: int,
@@ -61,7 +61,7 @@ class EngineClient(RequestStreams):
         self.info = info
         self.address = address
         self.frontend = frontend
-        self.snapshot: EngineStats = _stats(stats)
+        self.snapshot: EngineStats = stats
         """Engine counters as of the latest step message (read by /health and /metrics)."""
         self._streams: dict[str, tuple[Request, asyncio.Queue[StepUpdate | BaseException]]] = {}
         self._context: zmq.asyncio.Context | None = None
@@ -232,14 +232,14 @@ class EngineClient(RequestStreams):
                 return
             message = wire.decode_from_engine(data)
             if isinstance(message, wire.StepOutputs):
-                self.snapshot = _stats(message.stats)
+                self.snapshot = message.stats
                 for update in message.updates:
                     self._deliver(update)
             elif isinstance(message, wire.EngineFailed):
                 self._die(f"the engine failed: {message.reason}")
                 return
             else:  # Ready: the answer to this socket's Hello
-                self.snapshot = _stats(message.stats)
+                self.snapshot = message.stats
 
     def _deliver(self, update: wire.RequestUpdate) -> None:
         stream = self._streams.get(update.request_id)
@@ -290,10 +290,6 @@ class EngineClient(RequestStreams):
         self._streams.clear()
         if self.on_dead is not None:
             self.on_dead(reason)
-
-
-def _stats(stats: wire.WireStats) -> EngineStats:
-    return EngineStats(*(getattr(stats, name) for name in stats.__struct_fields__))
 
 
 def _open_pidfd(pid: int) -> int | None:

@@ -184,7 +184,7 @@ class EngineLoop:
         elif isinstance(command, wire.Hello):
             if command.frontend >= 0:  # a negative index is a start-up probe: answer only
                 self._stats_sent[identity] = 0.0
-            stats = wire.wire_stats(self.engine.stats())
+            stats = self.engine.stats()
             self._send(identity, wire.Ready(self.info, stats))
         else:  # Goodbye
             self._abort_all(identity, notify=False)
@@ -240,7 +240,7 @@ class EngineLoop:
             invalid=invalid,
             error_param=param,
         )
-        self._send(identity, wire.StepOutputs([update], wire.wire_stats(self.engine.stats())))
+        self._send(identity, wire.StepOutputs([update], self.engine.stats()))
 
     def _abort(self, request_id: str) -> StepUpdate | None:
         try:
@@ -259,7 +259,7 @@ class EngineLoop:
             if update is not None:
                 updates.append(wire.request_update(update))
         if notify:
-            self._send(identity, wire.StepOutputs(updates, wire.wire_stats(self.engine.stats())))
+            self._send(identity, wire.StepOutputs(updates, self.engine.stats()))
 
     # -- outputs ------------------------------------------------------------------------
 
@@ -278,7 +278,7 @@ class EngineLoop:
         due = [i for i, sent in self._stats_sent.items() if now - sent >= STATS_INTERVAL_S]
         if not by_owner and not due:
             return
-        stats = wire.wire_stats(self.engine.stats())
+        stats = self.engine.stats()
         for identity in set(by_owner).union(due):
             self._send(identity, wire.StepOutputs(by_owner.get(identity, []), stats))
             if identity in self._stats_sent:

@@ -21,10 +21,11 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from brigade.engine import EngineStats  # decoded from the wire: needed at run time
 from brigade.interfaces import PoolingParams, SamplingParams
 
 if TYPE_CHECKING:
-    from brigade.engine import EngineCore, EngineStats, StepUpdate
+    from brigade.engine import EngineCore, StepUpdate
 
 __all__ = [
     "Abort",
@@ -39,13 +40,11 @@ __all__ = [
     "RequestUpdate",
     "StepOutputs",
     "ToEngine",
-    "WireStats",
     "decode_from_engine",
     "decode_to_engine",
     "encode",
     "engine_info",
     "request_update",
-    "wire_stats",
 ]
 
 
@@ -68,20 +67,6 @@ class EngineInfo(msgspec.Struct, frozen=True):
     """The executor's plugin name, for error messages."""
     pid: int
     """The engine's process id (front ends watch it to notice its death)."""
-
-
-class WireStats(msgspec.Struct, array_like=True):
-    """``EngineStats`` on the wire (same fields, same order)."""
-
-    num_steps: int
-    num_running: int
-    num_waiting: int
-    num_preemptions: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_free_pages: int
-    num_pages: int
-    mean_queue_time_s: float
 
 
 class RequestUpdate(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -134,12 +119,12 @@ class Goodbye(msgspec.Struct, tag="goodbye"):
 
 class Ready(msgspec.Struct, tag="ready"):
     info: EngineInfo
-    stats: WireStats
+    stats: EngineStats
 
 
 class StepOutputs(msgspec.Struct, tag="step"):
     updates: list[RequestUpdate]
-    stats: WireStats
+    stats: EngineStats
 
 
 class EngineFailed(msgspec.Struct, tag="failed"):
@@ -175,20 +160,6 @@ def decode_to_engine(data: bytes) -> ToEngine:
 
 def decode_from_engine(data: bytes) -> FromEngine:
     return _from_engine.decode(data)
-
-
-def wire_stats(stats: EngineStats) -> WireStats:
-    return WireStats(
-        stats.num_steps,
-        stats.num_running,
-        stats.num_waiting,
-        stats.num_preemptions,
-        stats.prefix_cache_queries,
-        stats.prefix_cache_hits,
-        stats.num_free_pages,
-        stats.num_pages,
-        stats.mean_queue_time_s,
-    )
 
 
 def request_update(update: StepUpdate) -> RequestUpdate:

@@ -9,10 +9,11 @@ from types import MappingProxyType
 import msgspec
 import pytest
 
+from brigade.engine import EngineStats
 from brigade.interfaces import PoolingParams, SamplingParams, StructuredOutput
 from brigade.server import engine_protocol as wire
 
-STATS = wire.WireStats(7, 2, 3, 1, 10, 4, 50, 64, 0.25)
+STATS = EngineStats(7, 2, 3, 1, 10, 4, 50, 64, 0.25)
 INFO = wire.EngineInfo(
     vocab_size=256,
     max_model_len=64,
