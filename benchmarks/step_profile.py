@@ -10,6 +10,7 @@ what no tensor op accounts for (Python, batch preparation, scheduling), then the
     python benchmarks/step_profile.py --set attention.native_decode=false
     python benchmarks/step_profile.py --set model.dtype=bfloat16
     python benchmarks/step_profile.py --mixed                # the mixed workload, by step kind
+    python benchmarks/step_profile.py --context 448 --shared-prefix 384   # a shared system prompt
 
 ``--mixed`` runs ``benchmarks/peers.py``'s mixed workload (128 requests, prompts 16-512, outputs
 16-256) through ``LLM.generate`` and splits the executor's time by kind of step: pure decode
@@ -92,13 +93,17 @@ def _random_model(size: str) -> str:
     return str(path)
 
 
-def decode_steps(llm: LLM, batch: int, prompt_len: int, steps: int) -> Callable[[], None]:
-    """Queue ``batch`` requests, run their prefills; return a function doing one decode step."""
+def decode_steps(
+    llm: LLM, batch: int, prompt_len: int, steps: int, shared: int = 0
+) -> Callable[[], None]:
+    """Queue ``batch`` requests (their prompts starting with the same ``shared`` tokens), run
+    their prefills; return a function doing one decode step."""
     engine = llm.engine
     rng = random.Random(0)
     params = SamplingParams(max_tokens=prompt_len + 4 * steps, temperature=0.0, ignore_eos=True)
+    prefix = [rng.randrange(10, engine.vocab_size) for _ in range(shared)]
     for index in range(batch):
-        prompt = [rng.randrange(10, engine.vocab_size) for _ in range(prompt_len)]
+        prompt = prefix + [rng.randrange(10, engine.vocab_size) for _ in range(prompt_len - shared)]
         engine.add_request(f"decode-{index}", prompt, params)
     while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.requests.values()):
         engine.step()
@@ -230,9 +235,16 @@ def main() -> None:
         "--mixed", action="store_true", help="peers.py's mixed workload, time by step kind"
     )
     parser.add_argument("--seed", type=int, default=0, help="the mixed workload's seed")
+    parser.add_argument(
+        "--shared-prefix",
+        type=int,
+        default=0,
+        help="decode rows' prompts start with this many common tokens (prefix caching on)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    llm = make_llm(args.model, args.set)
+    caching = ["kv.enable_prefix_caching=true"] if args.shared_prefix else []
+    llm = make_llm(args.model, [*caching, *args.set])
     dtype = str(llm.engine.executor.dtype).removeprefix("torch.")
     print(f"{cpu_flags()}; torch {torch.__version__}, {args.threads} threads, {dtype}")
     print(f"model {llm.engine.checkpoint.name}; settings {args.set or 'defaults'}")
@@ -240,10 +252,11 @@ def main() -> None:
         mixed_by_kind(llm, args.seed)
         return
 
-    step = decode_steps(llm, args.batch, args.context, args.repeats + 2)
+    step = decode_steps(llm, args.batch, args.context, args.repeats + 2, args.shared_prefix)
     wall_ms, prof = profile_steps(step, args.repeats)
+    shared = f" ({args.shared_prefix} shared)" if args.shared_prefix else ""
     report(
-        f"decode step, batch {args.batch} x context {args.context}",
+        f"decode step, batch {args.batch} x context {args.context}{shared}",
         wall_ms,
         prof,
         args.repeats,

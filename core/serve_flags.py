@@ -340,6 +340,14 @@ FLAGS: tuple[ServeFlag, ...] = (
         arity="bool",
     ),
     _alias(
+        "--disable-cascade-attn",
+        "attention.cascade_decode",
+        "decode rows that share a cached prompt prefix each read its pages, instead of "
+        "scoring them together once (the sdpa backend's C++ decode kernel on a CPU)",
+        arity="switch",
+        parse=lambda _: False,
+    ),
+    _alias(
         "--swap-space",
         "kv.swap_space_gib",
         "GiB of host memory for swapped-out KV pages, used only with [scheduler] "

@@ -39,7 +39,7 @@
 // cpu_paged.cpp
 at::Tensor paged_decode(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
                         at::Tensor block_tables, at::Tensor seq_lens, int64_t window,
-                        double scale);
+                        double scale, bool cascade);
 
 namespace {
 
@@ -254,7 +254,7 @@ at::Tensor decode_layers(at::Tensor hidden, at::Tensor cos, at::Tensor sin,
                          std::vector<at::Tensor> weights,
                          c10::List<std::optional<at::Tensor>> biases, std::vector<int64_t> windows,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
-                         double scale, bool onednn) {
+                         double scale, bool onednn, bool cascade) {
   const int64_t num_layers = static_cast<int64_t>(key_caches.size());
   TORCH_CHECK(value_caches.size() == key_caches.size() &&
                   static_cast<int64_t>(weights.size()) == 6 * num_layers &&
@@ -280,7 +280,8 @@ at::Tensor decode_layers(at::Tensor hidden, at::Tensor cos, at::Tensor sin,
     value_cache.view({-1, num_kv_heads, head_dim})
         .index_copy_(0, slot_mapping, v.to(value_cache.scalar_type()));
     const at::Tensor attention =
-        paged_decode(q_rot, key_cache, value_cache, block_tables, seq_lens, windows[l], scale);
+        paged_decode(q_rot, key_cache, value_cache, block_tables, seq_lens, windows[l], scale,
+                     cascade);
     const at::Tensor delta = linear(attention.view({tokens, q_size}), w[2], bias(1), onednn);
     auto [summed, post] = add_rms_norm(hidden, delta, w[3], eps);
     const at::Tensor gate_up = linear(post, w[4], bias(2), onednn);

@@ -1,5 +1,6 @@
 """Brigade's C++ kernels for CPUs, built on first use and cached: decode attention over the
-paged KV cache (``cpu_paged.cpp``) and a decoder layer's small fused operations
+paged KV cache (``cpu_paged.cpp``; rows sharing a prefix read it once, ``cpu_cascade.cpp``),
+prefill attention (``cpu_prefill.cpp``) and a decoder layer's small fused operations
 (``cpu_fused.cpp``: RMSNorm with and without the residual add, SiLU-mul, RoPE), all in
 ``torch.ops.brigade_cpu``.
 
@@ -34,10 +35,12 @@ __all__ = ["cpu_ops", "exclusive_build", "kernels_take_head_dim", "paged_decode_
 logger = logging.getLogger(__name__)
 
 _SOURCES = tuple(
-    Path(__file__).with_name(name) for name in ("cpu_paged.cpp", "cpu_prefill.cpp", "cpu_fused.cpp")
+    Path(__file__).with_name(name)
+    for name in ("cpu_paged.cpp", "cpu_cascade.cpp", "cpu_prefill.cpp", "cpu_fused.cpp")
 )
 _HEADERS = tuple(
-    Path(__file__).with_name(name) for name in ("cpu_exp.h", "cpu_scalar.h", "cpu_vec.h")
+    Path(__file__).with_name(name)
+    for name in ("cpu_cascade.h", "cpu_exp.h", "cpu_scalar.h", "cpu_vec.h")
 )
 _CFLAGS = [
     "-O3",
@@ -132,7 +135,7 @@ def kernels_take_head_dim(head_dim: int, lanes: int) -> bool:
 
 
 def paged_decode_kernel() -> Callable[..., torch.Tensor] | None:
-    """``paged_decode(query, key_cache, value_cache, block_tables, seq_lens, window, scale)``,
-    or None when the kernels cannot be built here."""
+    """``paged_decode(query, key_cache, value_cache, block_tables, seq_lens, window, scale,
+    cascade=True)``, or None when the kernels cannot be built here."""
     ops = cpu_ops()
     return None if ops is None else ops.paged_decode

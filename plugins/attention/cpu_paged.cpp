@@ -15,8 +15,10 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
+#include "cpu_cascade.h"
 #include "cpu_exp.h"
 #include "cpu_scalar.h"
 #include "cpu_vec.h"
@@ -46,8 +48,9 @@ inline void score_key(const float* q, const Cache* key, float* out, int64_t stri
   }
 }
 
-// Each of `group` rows of `count` scores -> its softmax, in place.
-inline void softmax_rows(float* s, int64_t group, int64_t count) {
+// Each of `group` rows of `count` scores -> its softmax, in place; lse (unless null) gets each
+// row's log-sum-exp.
+inline void softmax_rows(float* s, int64_t group, int64_t count, float* lse) {
   for (int64_t g = 0; g < group; ++g) {
     float* sg = s + g * count;
     float maximum = sg[0];
@@ -61,6 +64,7 @@ inline void softmax_rows(float* s, int64_t group, int64_t count) {
     const float inverse = 1.0f / total;
 #pragma omp simd
     for (int64_t t = 0; t < count; ++t) sg[t] *= inverse;
+    if (lse != nullptr) lse[g] = maximum + std::log(total);
   }
 }
 
@@ -115,12 +119,12 @@ inline void prefetch_span(const void* slot, int64_t bytes) {
 // C * kLanes); `offset` is h0's element offset within a slot, s holds [kv_heads * group,
 // count] scores as scratch. Both passes walk the pages in order, reading each slot's heads
 // as one contiguous span; the values pass sums a page's slots for two query heads at a time in
-// registers, while the page is hot in L1.
+// registers, while the page is hot in L1. lse (unless null) gets each query head's log-sum-exp.
 template <int C, typename Cache>
 void attend_vec(const float* q, const Cache* key_cache, const Cache* value_cache,
                 const int64_t* pages, int64_t first, int64_t length, int64_t offset,
                 int64_t kv_heads, int64_t group, int64_t page_size, int64_t page_stride,
-                int64_t token_stride, float scale, float* s, float* o) {
+                int64_t token_stride, float scale, float* s, float* o, float* lse) {
   constexpr int64_t head_dim = C * kLanes;
   const int64_t count = length - first;
   const int64_t heads = kv_heads * group;
@@ -144,7 +148,7 @@ void attend_vec(const float* q, const Cache* key_cache, const Cache* value_cache
                     }
                   }
                 });
-  softmax_rows(s, heads, count);
+  softmax_rows(s, heads, count, lse);
   // Pass 2: the weighted values.
   std::fill(o, o + heads * head_dim, 0.0f);
   for_each_page(
@@ -185,7 +189,7 @@ void attend_vec(const float* q, const Cache* key_cache, const Cache* value_cache
 template <typename Cache>
 using AttendVec = void (*)(const float*, const Cache*, const Cache*, const int64_t*, int64_t,
                            int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float,
-                           float*, float*);
+                           float*, float*, float*);
 
 // attend_vec for this head_dim, or nullptr when it is not 1..8 vectors or 128.
 template <typename Cache>
@@ -206,13 +210,13 @@ AttendVec<Cache> attend_vec_for(int64_t head_dim) {
 }
 
 // Any head_dim: one key at a time, scores then values (the group's heads side by side);
-// the result is left in `accumulator` [group, head_dim].
+// the result is left in `accumulator` [group, head_dim], the log-sum-exps in lse (unless null).
 template <typename Cache>
 void attend_scalar(const float* q, const Cache* key_cache, const Cache* value_cache,
                    const int64_t* pages, int64_t first, int64_t count, int64_t length,
                    int64_t kv_head, int64_t group, int64_t head_dim, int64_t page_size,
                    int64_t page_stride, int64_t token_stride, float scale, float* s,
-                   float* accumulator) {
+                   float* accumulator, float* lse) {
   const int64_t last_page = (length - 1) / page_size;
   // Pass 1: scores [group, count] (column t of head g at s[g * count + t]).
   for (int64_t t = 0; t < count; ++t) {
@@ -231,7 +235,7 @@ void attend_scalar(const float* q, const Cache* key_cache, const Cache* value_ca
                        (position % page_size) * token_stride + kv_head * head_dim;
     score_key(q, key, s + t, count, group, head_dim, scale);
   }
-  softmax_rows(s, group, count);
+  softmax_rows(s, group, count, lse);
   // Pass 2: the weighted sum of the values.
   std::fill(accumulator, accumulator + group * head_dim, 0.0f);
   for (int64_t t = 0; t < count; ++t) {
@@ -242,11 +246,16 @@ void attend_scalar(const float* q, const Cache* key_cache, const Cache* value_ca
   }
 }
 
-template <typename Query, typename Cache>
+// Each row's decode attention over its keys [first, length) (first: starts[row] when starts is
+// given, else 0 or the sliding window's start), handed over as it is done:
+// emit(row, head, heads, o, lse) gets query heads [head, head + heads) of the row, o [heads,
+// head_dim] in float32 and lse [heads] their log-sum-exps.
+template <typename Query, typename Cache, typename Emit>
 void decode_rows(const Query* query, const Cache* key_cache, const Cache* value_cache,
-                 const int64_t* block_tables, const int64_t* seq_lens, Query* out,
+                 const int64_t* block_tables, const int64_t* seq_lens, const int64_t* starts,
                  int64_t num_rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                 int64_t page_size, int64_t max_pages, int64_t window, float scale) {
+                 int64_t page_size, int64_t max_pages, int64_t window, float scale,
+                 const Emit& emit) {
   constexpr bool widen = !std::is_same_v<Query, float>;
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * head_dim;  // between slots of one page
@@ -259,54 +268,207 @@ void decode_rows(const Query* query, const Cache* key_cache, const Cache* value_
   const int64_t span =
       vectorized != nullptr && num_rows >= 2 * at::get_num_threads() ? num_kv_heads : 1;
   const int64_t spans = num_kv_heads / span;
-  const int64_t width = span * group * head_dim;  // a task's query (and output) elements
+  const int64_t heads = span * group, width = heads * head_dim;  // a task's query heads
   at::parallel_for(0, num_rows * spans, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(span * group * std::max<int64_t>(longest, 1));
-    std::vector<float> accumulator(group * head_dim);
-    std::vector<float> widened(widen ? 2 * width : 0);  // query, then output
+    std::vector<float> scores(heads * std::max<int64_t>(longest, 1));
+    std::vector<float> widened(widen ? width : 0), o(width), lse(heads);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t row = item / spans;
       const int64_t kv_head = (item % spans) * span;
       const int64_t length = seq_lens[row];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, length - window) : 0;
+      const int64_t first = starts != nullptr ? starts[row]
+                            : window > 0      ? std::max<int64_t>(0, length - window)
+                                              : 0;
       const int64_t count = length - first;
       const int64_t* pages = block_tables + row * max_pages;
       const int64_t head_offset = (row * num_heads + kv_head * group) * head_dim;
       const float* q;
-      float* o;
       if constexpr (widen) {
         for (int64_t e = 0; e < width; ++e) widened[e] = to_float(query[head_offset + e]);
         q = widened.data();
-        o = widened.data() + width;
       } else {
         q = query + head_offset;
-        o = out + head_offset;
       }
       if (count <= 0) {  // nothing to attend to (not a decode row): zeros, never garbage
-        std::fill(o, o + width, 0.0f);
+        std::fill(o.begin(), o.end(), 0.0f);
+        std::fill(lse.begin(), lse.end(), -std::numeric_limits<float>::infinity());
       } else if (vectorized != nullptr) {
         vectorized(q, key_cache, value_cache, pages, first, length, kv_head * head_dim, span,
-                   group, page_size, page_stride, token_stride, scale, scores.data(), o);
+                   group, page_size, page_stride, token_stride, scale, scores.data(), o.data(),
+                   lse.data());
       } else {
         attend_scalar(q, key_cache, value_cache, pages, first, count, length, kv_head, group,
                       head_dim, page_size, page_stride, token_stride, scale, scores.data(),
-                      accumulator.data());
-        std::copy(accumulator.begin(), accumulator.end(), o);
+                      o.data(), lse.data());
       }
-      if constexpr (widen) {
-        for (int64_t e = 0; e < width; ++e) {
-          out[head_offset + e] = brigade_cpu::from_float<Query>(o[e]);
-        }
-      }
+      emit(row, kv_head * group, heads, o.data(), lse.data());
     }
   });
 }
 
+// Cascade attention (cpu_cascade.h) pays once rows share at least this many keys: below it,
+// the merge and the extra tasks cost about what the shared reads save.
+constexpr int64_t kMinSharedKeys = 64;
+
+// Rows whose block tables start with the same pages, and how many keys they share.
+struct SharedGroup {
+  std::vector<int64_t> rows;  // rows[0] is the leader, whose pages the shared tasks read
+  int64_t keys;
+};
+
+// Groups rows by their first page; within a group, each row's run of pages equal to the
+// leader's (only pages before the one holding its newest token: every row keeps keys of its
+// own) decides how many keys can be shared, and the group keeps the rows that maximize rows x
+// shared keys (a row that matches less is left to read its pages alone).
+std::vector<SharedGroup> shared_groups(const int64_t* tables, const int64_t* seq_lens,
+                                       int64_t num_rows, int64_t max_pages, int64_t page_size) {
+  std::vector<int64_t> order;
+  const auto own_pages = [&](int64_t row) { return (seq_lens[row] - 1) / page_size; };
+  for (int64_t row = 0; row < num_rows; ++row) {
+    if (seq_lens[row] > 0 && own_pages(row) * page_size >= kMinSharedKeys) order.push_back(row);
+  }
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return tables[a * max_pages] < tables[b * max_pages];
+  });
+  std::vector<SharedGroup> groups;
+  for (size_t begin = 0; begin < order.size();) {
+    size_t end = begin + 1;
+    while (end < order.size() &&
+           tables[order[end] * max_pages] == tables[order[begin] * max_pages]) {
+      ++end;
+    }
+    if (end - begin >= 2) {
+      const int64_t* leader = tables + order[begin] * max_pages;
+      std::vector<std::pair<int64_t, int64_t>> matches;  // (shared pages, row)
+      matches.emplace_back(own_pages(order[begin]), order[begin]);
+      for (size_t i = begin + 1; i < end; ++i) {
+        const int64_t* pages = tables + order[i] * max_pages;
+        const int64_t limit = std::min(own_pages(order[i]), matches[0].first);
+        int64_t n = 0;
+        while (n < limit && pages[n] == leader[n]) ++n;
+        matches.emplace_back(n, order[i]);
+      }
+      std::stable_sort(matches.begin() + 1, matches.end(),
+                       [](const auto& a, const auto& b) { return a.first > b.first; });
+      int64_t best = 0, kept = 0;  // rows x shared pages, over the best-matching rows
+      for (size_t k = 1; k < matches.size(); ++k) {
+        const int64_t value = static_cast<int64_t>(k + 1) * matches[k].first;
+        if (value > best) best = value, kept = static_cast<int64_t>(k + 1);
+      }
+      if (kept >= 2 && matches[kept - 1].first * page_size >= kMinSharedKeys) {
+        SharedGroup group{{}, matches[kept - 1].first * page_size};
+        for (int64_t k = 0; k < kept; ++k) group.rows.push_back(matches[k].second);
+        groups.push_back(std::move(group));
+      }
+    }
+    begin = end;
+  }
+  return groups;
+}
+
+// Decode attention with the shared keys of each group read once for all its rows: shared
+// tasks (each group's rows in blocks of kSharedRows, per KV head, the keys split in ranges so
+// that every thread has work) on the prefill kernel, then every row over its own keys, then
+// the partial results merged by their log-sum-exps.
+template <typename Query, typename Cache>
+void cascade_rows(const at::Tensor& query, const at::Tensor& key_cache,
+                  const at::Tensor& value_cache, const at::Tensor& block_tables,
+                  const int64_t* seq_lens, const std::vector<SharedGroup>& groups,
+                  at::Tensor& out, float scale) {
+  const int64_t num_rows = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t num_kv_heads = key_cache.size(2), group = num_heads / num_kv_heads;
+  int64_t blocks = 0;
+  for (const SharedGroup& g : groups) {
+    blocks += (static_cast<int64_t>(g.rows.size()) + brigade_cpu::kSharedRows - 1) /
+              brigade_cpu::kSharedRows;
+  }
+  const int64_t wanted = 4 * at::get_num_threads();  // tasks, for balance
+  const int64_t split = std::max<int64_t>(1, (wanted + blocks * num_kv_heads - 1) /
+                                                 (blocks * num_kv_heads));
+  // Where a row's partials are: its block's first task (KV head 0, range 0), its slot in it,
+  // and how many ranges its group's keys were split into.
+  std::vector<int64_t> first_task(num_rows, -1), slot(num_rows, 0), ranges_of(num_rows, 0);
+  std::vector<int64_t> starts(num_rows, 0);
+  std::vector<brigade_cpu::SharedPrefixTask> tasks;
+  std::vector<int64_t> offsets;  // each task's first float in the partial buffers
+  int64_t floats = 0;
+  for (const SharedGroup& g : groups) {
+    for (size_t b = 0; b < g.rows.size(); b += brigade_cpu::kSharedRows) {
+      const int64_t count =
+          std::min<int64_t>(brigade_cpu::kSharedRows, static_cast<int64_t>(g.rows.size() - b));
+      const int64_t most = brigade_cpu::max_shared_keys(count * group);
+      const int64_t ranges = std::max(std::min(split, g.keys / kMinSharedKeys),
+                                      (g.keys + most - 1) / most);
+      const int64_t range = (g.keys + ranges - 1) / ranges;
+      for (int64_t i = 0; i < count; ++i) {
+        const int64_t row = g.rows[b + i];
+        first_task[row] = static_cast<int64_t>(tasks.size());
+        slot[row] = i;
+        ranges_of[row] = ranges;
+        starts[row] = g.keys;
+      }
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        for (int64_t k = 0; k < ranges; ++k) {
+          tasks.push_back({g.rows[0], h, g.rows.data() + b, count, k * range,
+                           std::min(g.keys, (k + 1) * range), nullptr, nullptr});
+          offsets.push_back(floats);
+          floats += count * group * (head_dim + 1);
+        }
+      }
+    }
+  }
+  std::vector<float> partials(floats);
+  for (size_t t = 0; t < tasks.size(); ++t) {
+    tasks[t].out = partials.data() + offsets[t];
+    tasks[t].lse = tasks[t].out + tasks[t].count * group * head_dim;
+  }
+  brigade_cpu::shared_prefix_attention(query, key_cache, value_cache, block_tables, tasks, scale);
+  // Every row over its own keys, merged with its shared parts by their log-sum-exps.
+  Query* result = out.data_ptr<Query>();
+  const auto merge = [&](int64_t row, int64_t head, int64_t heads, const float* o,
+                         const float* lse) {
+    const int64_t ranges = ranges_of[row];
+    thread_local std::vector<float> merged;
+    merged.resize(head_dim);
+    for (int64_t h = 0; h < heads; ++h, o += head_dim) {
+      Query* target = result + (row * num_heads + head + h) * head_dim;
+      if (ranges == 0) {  // a row sharing nothing: its own result, as it is
+        for (int64_t e = 0; e < head_dim; ++e) target[e] = brigade_cpu::from_float<Query>(o[e]);
+        continue;
+      }
+      const int64_t kv_head = (head + h) / group, g = (head + h) % group;
+      const brigade_cpu::SharedPrefixTask* parts =
+          tasks.data() + first_task[row] + kv_head * ranges;
+      const int64_t pair = slot[row] * group + g;  // this head's place in its tasks
+      float maximum = lse[h];
+      for (int64_t k = 0; k < ranges; ++k) maximum = std::max(maximum, parts[k].lse[pair]);
+      const float own = brigade_cpu::exp_clamped(lse[h] - maximum);
+      float total = own;
+      for (int64_t e = 0; e < head_dim; ++e) merged[e] = own * o[e];
+      for (int64_t k = 0; k < ranges; ++k) {
+        const float w = brigade_cpu::exp_clamped(parts[k].lse[pair] - maximum);
+        const float* part = parts[k].out + pair * head_dim;
+        total += w;
+        for (int64_t e = 0; e < head_dim; ++e) merged[e] += w * part[e];
+      }
+      const float inverse = 1.0f / total;
+      for (int64_t e = 0; e < head_dim; ++e) {
+        target[e] = brigade_cpu::from_float<Query>(merged[e] * inverse);
+      }
+    }
+  };
+  decode_rows(query.data_ptr<Query>(), key_cache.data_ptr<Cache>(),
+              value_cache.data_ptr<Cache>(), block_tables.data_ptr<int64_t>(), seq_lens,
+              starts.data(), num_rows, num_heads, num_kv_heads, head_dim, key_cache.size(1),
+              block_tables.size(1), 0, scale, merge);
+}
+
 }  // namespace
 
+// cascade: rows that share their first pages (at least kMinSharedKeys keys) read them once.
 at::Tensor paged_decode(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
-                           at::Tensor block_tables, at::Tensor seq_lens, int64_t window,
-                           double scale) {
+                        at::Tensor block_tables, at::Tensor seq_lens, int64_t window,
+                        double scale, bool cascade) {
   TORCH_CHECK(query.dim() == 3 && query.is_contiguous() &&
                   (query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16),
               "query must be a contiguous float32 or bfloat16 [rows, heads, head_dim] tensor");
@@ -332,23 +494,41 @@ at::Tensor paged_decode(at::Tensor query, at::Tensor key_cache, at::Tensor value
                 " tokens but its block table holds ", capacity);
   }
   auto out = at::empty_like(query);
-  const auto run = [&](auto* queries, auto* keys, auto* values) {
-    decode_rows(queries, keys, values, block_tables.data_ptr<int64_t>(),
-                seq_lens.data_ptr<int64_t>(), static_cast<decltype(queries)>(out.data_ptr()),
-                num_rows, num_heads, num_kv_heads, head_dim, page_size, block_tables.size(1),
-                window, static_cast<float>(scale));
-  };
-  const auto with_query = [&](auto* keys, auto* values) {
-    if (query.scalar_type() == at::kFloat) {
-      run(query.data_ptr<float>(), keys, values);
-    } else {
-      run(query.data_ptr<c10::BFloat16>(), keys, values);
+  const int64_t* lengths = seq_lens.data_ptr<int64_t>();
+  // Rows sharing pages read them once (cascade); not with a sliding window, whose rows start
+  // at their own positions.
+  std::vector<SharedGroup> groups;
+  if (cascade && window <= 0 && num_rows >= 2 && attend_vec_for<float>(head_dim) != nullptr) {
+    groups = shared_groups(block_tables.data_ptr<int64_t>(), lengths, num_rows,
+                           block_tables.size(1), page_size);
+  }
+  const auto run = [&](auto query_type, auto cache_type) {
+    using Query = decltype(query_type);
+    using Cache = decltype(cache_type);
+    if (!groups.empty()) {
+      cascade_rows<Query, Cache>(query, key_cache, value_cache, block_tables, lengths, groups,
+                                 out, static_cast<float>(scale));
+      return;
     }
+    Query* result = out.data_ptr<Query>();
+    const auto store = [&](int64_t row, int64_t head, int64_t heads, const float* o,
+                           const float*) {
+      Query* target = result + (row * num_heads + head) * head_dim;
+      for (int64_t e = 0; e < heads * head_dim; ++e) {
+        target[e] = brigade_cpu::from_float<Query>(o[e]);
+      }
+    };
+    decode_rows(query.data_ptr<Query>(), key_cache.data_ptr<Cache>(),
+                value_cache.data_ptr<Cache>(), block_tables.data_ptr<int64_t>(), lengths,
+                static_cast<const int64_t*>(nullptr), num_rows, num_heads, num_kv_heads,
+                head_dim, page_size, block_tables.size(1), window, static_cast<float>(scale),
+                store);
   };
+  const bool bf16_query = query.scalar_type() == at::kBFloat16;
   if (key_cache.scalar_type() == at::kFloat) {
-    with_query(key_cache.data_ptr<float>(), value_cache.data_ptr<float>());
+    bf16_query ? run(c10::BFloat16{}, float{}) : run(float{}, float{});
   } else if (key_cache.scalar_type() == at::kBFloat16) {
-    with_query(key_cache.data_ptr<c10::BFloat16>(), value_cache.data_ptr<c10::BFloat16>());
+    bf16_query ? run(c10::BFloat16{}, c10::BFloat16{}) : run(float{}, c10::BFloat16{});
   } else {
     TORCH_CHECK(false, "the KV cache must be float32 or bfloat16");
   }
@@ -356,4 +536,27 @@ at::Tensor paged_decode(at::Tensor query, at::Tensor key_cache, at::Tensor value
 }
 
 // torch.ops.brigade_cpu.paged_decode (no pybind11: the build needs only ATen's headers).
-TORCH_LIBRARY(brigade_cpu, m) { m.def("paged_decode", &paged_decode); }
+// Keys each decode row would read through cascade attention, shared with other rows (0: none):
+// torch.ops.brigade_cpu.shared_decode_keys, so the grouping can be inspected and tested.
+at::Tensor shared_decode_keys(at::Tensor block_tables, at::Tensor seq_lens, int64_t page_size) {
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() &&
+                  block_tables.dim() == 2 && seq_lens.scalar_type() == at::kLong &&
+                  seq_lens.is_contiguous() && seq_lens.size(0) <= block_tables.size(0),
+              "block_tables must be int64 [rows, max_pages] and seq_lens int64 [rows]");
+  const int64_t num_rows = seq_lens.size(0);
+  auto keys = at::zeros({num_rows}, seq_lens.options());
+  for (const SharedGroup& group :
+       shared_groups(block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), num_rows,
+                     block_tables.size(1), page_size)) {
+    for (const int64_t row : group.rows) keys.data_ptr<int64_t>()[row] = group.keys;
+  }
+  return keys;
+}
+
+TORCH_LIBRARY(brigade_cpu, m) {
+  m.def("shared_decode_keys", &shared_decode_keys);
+  m.def(
+      "paged_decode(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+      "Tensor seq_lens, int window, float scale, bool cascade=True) -> Tensor",
+      &paged_decode);
+}

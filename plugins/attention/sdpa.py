@@ -154,6 +154,12 @@ class SdpaOptions:
         help="on a CPU, decode rows read the paged KV in place with Brigade's C++ kernel "
         "(built once and cached) instead of gathering pages for SDPA",
     )
+    cascade_decode: bool = option(
+        True,
+        help="with native_decode, decode rows whose block tables start with the same pages "
+        "(a prompt prefix held once by the prefix cache, at least 64 tokens) score those keys "
+        "together, reading them once per step instead of once per row (cascade attention)",
+    )
     native_prefill: bool = option(
         True,
         help="on a CPU, prefill chunks attend causally over the paged KV in place with "
@@ -173,6 +179,8 @@ class SdpaBackend(AttentionBackend):
         # NoOptions (tests, other backends' fallbacks) means the defaults.
         self._native = not isinstance(options, SdpaOptions) or options.native_decode
         self._native_prefill = not isinstance(options, SdpaOptions) or options.native_prefill
+        self.cascade = not isinstance(options, SdpaOptions) or options.cascade_decode
+        """Whether decode rows sharing their first pages read them once (the C++ kernel)."""
         self._kernel: Any = None
         """The C++ decode kernel once resolved (False: unavailable here)."""
         self._prefill: Any = None
@@ -256,6 +264,7 @@ class SdpaBackend(AttentionBackend):
                 meta.seq_lens[:decodes],
                 layer.sliding_window or 0,
                 layer.scale,
+                self.cascade,
             )
         elif meta.num_decodes:
             view = meta.decode_view(layer.sliding_window)

@@ -114,6 +114,7 @@ class CpuDecodeLayers:
                 first.input_layernorm.eps,
                 spec.scale,
                 isinstance(first.self_attn.qkv_proj, CpuLinear),
+                first.self_attn.backend.cascade,
             )
             self._args = (weights, biases, windows, sizes)
         return self._args

@@ -80,6 +80,7 @@ ALIAS_CASES = [
     (["--block-size", "32"], "kv.page_size", 32),
     (["--num-gpu-blocks-override", "64"], "kv.num_pages", 64),
     (["--no-enable-prefix-caching"], "kv.enable_prefix_caching", False),
+    (["--disable-cascade-attn"], "attention.cascade_decode", False),
     (["--swap-space", "2.5"], "kv.swap_space_gib", 2.5),
     (["--max-num-seqs", "8"], "scheduler.max_num_seqs", 8),
     (["--max-num-batched-tokens", "8K"], "scheduler.max_num_batched_tokens", 8192),
