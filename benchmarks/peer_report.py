@@ -16,6 +16,7 @@ from peer_setup import (
     CPU_FLAGS,
     JOB_GROUPS,
     NOISY_SHARE,
+    PREFIX_WORKLOADS,
     REPO,
     Checkpoint,
     Engine,
@@ -188,7 +189,7 @@ def report(
         print()
         print(f"## {name}")
         print()
-        print(describe_workload(workload, name == "shared-prefix"))
+        print(describe_workload(workload, name in PREFIX_WORKLOADS))
         if workload["kind"] == "latency":
             n = workload["runs"][0]["output_lens"][0]
             print(f"Decode ms/token = ({n}-token call - 1-token call) / {n - 1}.")

@@ -16,6 +16,10 @@ REPO = Path(__file__).resolve().parent.parent
 DRIVERS = Path(__file__).resolve().parent / "peer_drivers"
 ENGINES = ("brigade", "transformers", "vllm", "llamacpp")
 WORKLOADS = ("uniform", "mixed", "batch1", "shared-prefix")
+EXTRA_WORKLOADS = ("long-prefix",)
+"""Run only when named in ``--workloads``."""
+PREFIX_WORKLOADS = ("shared-prefix", "long-prefix")
+"""Run with prefix caching on."""
 CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")
 LOG_TAIL_LINES = 25
 JOB_GROUPS = {"plain": "prefix caching off", "prefix": "prefix caching on"}
@@ -159,13 +163,16 @@ def make_workload(
     elif name == "batch1":
         count, prompt_lens, output_lens = 1, [_scaled(128, scale)], [_scaled(256, scale)]
         warmup_count, default_repeats, kind = 1, 3, "latency"
-    elif name == "shared-prefix":
+    elif name in PREFIX_WORKLOADS:  # a system prompt of 384 tokens, or a long one of 1536
         count = _scaled(32, scale, 1)
-        prefix = _ids(shape_rng, _scaled(384, scale), vocab_size)
+        prefix = _ids(
+            shape_rng, _scaled(384 if name == "shared-prefix" else 1536, scale), vocab_size
+        )
         prompt_lens, output_lens = [_scaled(32, scale)] * count, [_scaled(64, scale)] * count
         warmup_count, default_repeats, kind = count, 3, "throughput"
     else:
-        raise SystemExit(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+        choices = ", ".join(WORKLOADS + EXTRA_WORKLOADS)
+        raise SystemExit(f"unknown workload {name!r}; choose from {choices}")
     num_runs = repeats or default_repeats
 
     def run(index: int, size: int) -> dict[str, Any]:

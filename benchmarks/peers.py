@@ -38,6 +38,8 @@ Workloads (``--workloads``), greedy, EOS ignored, seeded random token ids, 2 thr
 - ``shared-prefix``: 32 requests sharing a 384-token prefix plus 32 tokens each -> 64 new
   tokens, prefix caching on where the engine has it (the warm-up leaves the prefix cached, as
   a system prompt seen before would); median of 3.
+- ``long-prefix`` (only when named): the same with a 1536-token prefix, as a long system
+  prompt or a tool catalogue would be.
 
 The first three run with prefix caching off. Every run, warm-ups included, draws fresh prompt
 tokens (same lengths), so no run hits a cache left by another except the shared prefix;
@@ -74,8 +76,10 @@ from peer_report import Measurements, cpu_summary, figures, git_revision, record
 from peer_setup import (
     DRIVERS,
     ENGINES,
+    EXTRA_WORKLOADS,
     GGUF_TYPES,
     LOG_TAIL_LINES,
+    PREFIX_WORKLOADS,
     REPO,
     WORKLOADS,
     Checkpoint,
@@ -218,7 +222,7 @@ def run_engines(
     found = Measurements(
         {w: {} for w in workloads}, {w: {} for w in workloads}, {w: {} for w in workloads}, {}, []
     )
-    groups = [(False, ["uniform", "mixed", "batch1"]), (True, ["shared-prefix"])]
+    groups = [(False, ["uniform", "mixed", "batch1"]), (True, list(PREFIX_WORKLOADS))]
     logs = cache_root() / "logs" / time.strftime("%Y%m%d-%H%M%S")
     logs.mkdir(parents=True, exist_ok=True)
     print(f"driver logs: {logs}", file=sys.stderr)
@@ -251,7 +255,7 @@ def run_engines(
                     record(found, name, prefix_caching, chosen, workloads, result, error)
     llama_facts = found.facts.get("llamacpp", {}).get("prefix", {}).get("facts") or {}
     llama_facts = found.facts.get("llamacpp", {}).get("prefix", {}).get("facts") or {}
-    if "shared-prefix" in workloads:
+    if set(PREFIX_WORKLOADS) & set(workloads):
         if "transformers" in engines:
             found.notes.append("transformers has no prefix cache: it prefills every prompt whole")
         if llama_facts.get("prefix_reuse") == "none":
@@ -315,8 +319,9 @@ def parse_args() -> argparse.Namespace:
         if name not in ENGINES:
             parser.error(f"unknown engine {name!r}; choose from {', '.join(ENGINES)}")
     for name in args.workload_list:
-        if name not in WORKLOADS:
-            parser.error(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+        if name not in WORKLOADS + EXTRA_WORKLOADS:
+            choices = ", ".join(WORKLOADS + EXTRA_WORKLOADS)
+            parser.error(f"unknown workload {name!r}; choose from {choices}")
     if args.atol is None:
         args.atol = 1e-3 if args.dtype == "float32" else 1.0
     if args.threads < 1 or args.scale <= 0 or (args.repeats is not None and args.repeats < 1):
@@ -393,7 +398,7 @@ def as_json(
             elif engine != "brigade" and "decode_ms_per_token" in brigade:
                 row["brigade_ratio"] = row["decode_ms_per_token"] / brigade["decode_ms_per_token"]
         per_workload[name] = {
-            "description": describe_workload(workload, name == "shared-prefix"),
+            "description": describe_workload(workload, name in PREFIX_WORKLOADS),
             "engines": engines,
             "errors": found.errors[name],
         }
