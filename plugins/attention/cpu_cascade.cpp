@@ -39,7 +39,7 @@ using brigade_cpu::vecf;
 constexpr int64_t kMostKeys = 512;
 // Vector registers for accumulators: 32 with AVX-512, 16 otherwise.
 constexpr int kRegisters = kLanes == 16 ? 28 : 12;
-constexpr int kKeyRows = kLanes == 16 ? 4 : 3;
+constexpr int kKeyRows = 3;
 constexpr int kQueryVectors = kLanes == 16 ? 6 : 3;
 
 // Queries whose outputs stay in registers while the values are summed, for C vectors a head.
@@ -55,6 +55,11 @@ struct Scratch {
   std::vector<int64_t> slots;
 };
 
+inline void prefetch(const void* start, int64_t bytes) {
+  const char* line = static_cast<const char*>(start);
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(line + b);
+}
+
 // Scores of keys [j0, j0 + kKeyRows) (past `count`: the last key again, not stored) against
 // query vectors [v0, v0 + V): scores[j * width + query] = q . key_j, q already scaled.
 template <int V, int64_t head_dim, typename Cache>
@@ -63,6 +68,11 @@ inline void score_block(const float* q, int64_t width, const Cache* key_cache,
                         float* scores) {
   const Cache* key[kKeyRows];
   for (int k = 0; k < kKeyRows; ++k) key[k] = key_cache + slots[std::min(j0 + k, count - 1)];
+  if (v0 == 0) {  // the next block's keys lie on other pages: start fetching them now
+    for (int64_t j = j0 + kKeyRows; j < std::min(j0 + 2 * kKeyRows, count); ++j) {
+      prefetch(key_cache + slots[j], head_dim * sizeof(Cache));
+    }
+  }
   vecf acc[kKeyRows][V] = {};
   for (int64_t e = 0; e < head_dim; ++e) {
     vecf qv[V];
@@ -148,6 +158,9 @@ void shared_task(const SharedPrefixTask& task, const Query* query, const Cache* 
     vecf acc[R][C] = {};
     for (int64_t j = 0; j < count; ++j) {
       const Cache* value = value_cache + slots[j];
+      if (r0 == 0 && j + kKeyRows < count) {  // the first pass reads the values from memory
+        prefetch(value_cache + slots[j + kKeyRows], head_dim * sizeof(Cache));
+      }
       const float* w = scores + j * width;
       vecf v[C];
       for (int c = 0; c < C; ++c) v[c] = load_vec(value + c * kLanes);
