@@ -1,5 +1,7 @@
-// The shared part of cascade decode attention (cpu_cascade.h): a block of decode rows against
-// keys they all see, with no mask, so it is two small matrix products around an exact softmax.
+// Cascade decode attention (cpu_cascade.h): which rows share pages (shared_groups, shown by
+// torch.ops.brigade_cpu.shared_decode_keys) and the shared part, a block of decode rows
+// against keys they all see, with no mask: two small matrix products around an exact softmax.
+// cpu_paged.cpp runs each row over its own keys and merges.
 //
 // A task is up to kSharedRows rows x the query heads of one KV head (its "queries") against a
 // range of keys. The queries are transposed once into a float buffer [head_dim][queries];
@@ -13,6 +15,8 @@
 #include "cpu_cascade.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
 #include <c10/util/BFloat16.h>
 
 #include "cpu_exp.h"
@@ -24,6 +28,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -260,3 +265,73 @@ void brigade_cpu::shared_prefix_attention(const at::Tensor& query, const at::Ten
   if (bf16_query && !bf16_cache) run(BF16{}, float{});
   if (bf16_query && bf16_cache) run(BF16{}, BF16{});
 }
+
+// Groups rows by their first page; within a group, each row's run of pages equal to the
+// leader's (only pages before the one holding its newest token: every row keeps keys of its
+// own) decides how many keys can be shared, and the group keeps the rows that maximize rows x
+// shared keys (a row that matches less is left to read its pages alone).
+std::vector<brigade_cpu::SharedGroup> brigade_cpu::shared_groups(
+    const int64_t* tables, const int64_t* seq_lens, int64_t num_rows, int64_t max_pages,
+    int64_t page_size) {
+  std::vector<int64_t> order;
+  const auto own_pages = [&](int64_t row) { return (seq_lens[row] - 1) / page_size; };
+  for (int64_t row = 0; row < num_rows; ++row) {
+    if (seq_lens[row] > 0 && own_pages(row) * page_size >= kMinSharedKeys) order.push_back(row);
+  }
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return tables[a * max_pages] < tables[b * max_pages];
+  });
+  std::vector<SharedGroup> groups;
+  for (size_t begin = 0; begin < order.size();) {
+    size_t end = begin + 1;
+    while (end < order.size() &&
+           tables[order[end] * max_pages] == tables[order[begin] * max_pages]) {
+      ++end;
+    }
+    if (end - begin >= 2) {
+      const int64_t* leader = tables + order[begin] * max_pages;
+      std::vector<std::pair<int64_t, int64_t>> matches;  // (shared pages, row)
+      matches.emplace_back(own_pages(order[begin]), order[begin]);
+      for (size_t i = begin + 1; i < end; ++i) {
+        const int64_t* pages = tables + order[i] * max_pages;
+        const int64_t limit = std::min(own_pages(order[i]), matches[0].first);
+        int64_t n = 0;
+        while (n < limit && pages[n] == leader[n]) ++n;
+        matches.emplace_back(n, order[i]);
+      }
+      std::stable_sort(matches.begin() + 1, matches.end(),
+                       [](const auto& a, const auto& b) { return a.first > b.first; });
+      int64_t best = 0, kept = 0;  // rows x shared pages, over the best-matching rows
+      for (size_t k = 1; k < matches.size(); ++k) {
+        const int64_t value = static_cast<int64_t>(k + 1) * matches[k].first;
+        if (value > best) best = value, kept = static_cast<int64_t>(k + 1);
+      }
+      if (kept >= 2 && matches[kept - 1].first * page_size >= kMinSharedKeys) {
+        SharedGroup group{{}, matches[kept - 1].first * page_size};
+        for (int64_t k = 0; k < kept; ++k) group.rows.push_back(matches[k].second);
+        groups.push_back(std::move(group));
+      }
+    }
+    begin = end;
+  }
+  return groups;
+}
+
+// Keys each decode row would read through cascade attention, shared with other rows (0: none):
+// torch.ops.brigade_cpu.shared_decode_keys, so the grouping can be inspected and tested.
+at::Tensor shared_decode_keys(at::Tensor block_tables, at::Tensor seq_lens, int64_t page_size) {
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() &&
+                  block_tables.dim() == 2 && seq_lens.scalar_type() == at::kLong &&
+                  seq_lens.is_contiguous() && seq_lens.size(0) <= block_tables.size(0),
+              "block_tables must be int64 [rows, max_pages] and seq_lens int64 [rows]");
+  const int64_t num_rows = seq_lens.size(0);
+  auto keys = at::zeros({num_rows}, seq_lens.options());
+  for (const brigade_cpu::SharedGroup& group :
+       brigade_cpu::shared_groups(block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
+                                  num_rows, block_tables.size(1), page_size)) {
+    for (const int64_t row : group.rows) keys.data_ptr<int64_t>()[row] = group.keys;
+  }
+  return keys;
+}
+
+TORCH_LIBRARY_FRAGMENT(brigade_cpu, m) { m.def("shared_decode_keys", &shared_decode_keys); }

@@ -11,6 +11,20 @@
 
 namespace brigade_cpu {
 
+// Rows must share at least this many keys: below it, the merge and the extra tasks cost about
+// what the shared reads save.
+constexpr int64_t kMinSharedKeys = 64;
+
+// Rows whose block tables start with the same pages, and how many keys they share.
+struct SharedGroup {
+  std::vector<int64_t> rows;  // rows[0] is the leader, whose pages the shared tasks read
+  int64_t keys;
+};
+
+// Groups rows by their first page (cpu_cascade.cpp says how); rows in no group read alone.
+std::vector<SharedGroup> shared_groups(const int64_t* tables, const int64_t* seq_lens,
+                                       int64_t num_rows, int64_t max_pages, int64_t page_size);
+
 // Decode rows one shared-prefix task serves at most.
 constexpr int64_t kSharedRows = 32;
 

@@ -15,7 +15,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
-#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include "cpu_cascade.h"
@@ -306,66 +305,6 @@ void decode_rows(const Query* query, const Cache* key_cache, const Cache* value_
   });
 }
 
-// Cascade attention (cpu_cascade.h) pays once rows share at least this many keys: below it,
-// the merge and the extra tasks cost about what the shared reads save.
-constexpr int64_t kMinSharedKeys = 64;
-
-// Rows whose block tables start with the same pages, and how many keys they share.
-struct SharedGroup {
-  std::vector<int64_t> rows;  // rows[0] is the leader, whose pages the shared tasks read
-  int64_t keys;
-};
-
-// Groups rows by their first page; within a group, each row's run of pages equal to the
-// leader's (only pages before the one holding its newest token: every row keeps keys of its
-// own) decides how many keys can be shared, and the group keeps the rows that maximize rows x
-// shared keys (a row that matches less is left to read its pages alone).
-std::vector<SharedGroup> shared_groups(const int64_t* tables, const int64_t* seq_lens,
-                                       int64_t num_rows, int64_t max_pages, int64_t page_size) {
-  std::vector<int64_t> order;
-  const auto own_pages = [&](int64_t row) { return (seq_lens[row] - 1) / page_size; };
-  for (int64_t row = 0; row < num_rows; ++row) {
-    if (seq_lens[row] > 0 && own_pages(row) * page_size >= kMinSharedKeys) order.push_back(row);
-  }
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-    return tables[a * max_pages] < tables[b * max_pages];
-  });
-  std::vector<SharedGroup> groups;
-  for (size_t begin = 0; begin < order.size();) {
-    size_t end = begin + 1;
-    while (end < order.size() &&
-           tables[order[end] * max_pages] == tables[order[begin] * max_pages]) {
-      ++end;
-    }
-    if (end - begin >= 2) {
-      const int64_t* leader = tables + order[begin] * max_pages;
-      std::vector<std::pair<int64_t, int64_t>> matches;  // (shared pages, row)
-      matches.emplace_back(own_pages(order[begin]), order[begin]);
-      for (size_t i = begin + 1; i < end; ++i) {
-        const int64_t* pages = tables + order[i] * max_pages;
-        const int64_t limit = std::min(own_pages(order[i]), matches[0].first);
-        int64_t n = 0;
-        while (n < limit && pages[n] == leader[n]) ++n;
-        matches.emplace_back(n, order[i]);
-      }
-      std::stable_sort(matches.begin() + 1, matches.end(),
-                       [](const auto& a, const auto& b) { return a.first > b.first; });
-      int64_t best = 0, kept = 0;  // rows x shared pages, over the best-matching rows
-      for (size_t k = 1; k < matches.size(); ++k) {
-        const int64_t value = static_cast<int64_t>(k + 1) * matches[k].first;
-        if (value > best) best = value, kept = static_cast<int64_t>(k + 1);
-      }
-      if (kept >= 2 && matches[kept - 1].first * page_size >= kMinSharedKeys) {
-        SharedGroup group{{}, matches[kept - 1].first * page_size};
-        for (int64_t k = 0; k < kept; ++k) group.rows.push_back(matches[k].second);
-        groups.push_back(std::move(group));
-      }
-    }
-    begin = end;
-  }
-  return groups;
-}
-
 // Decode attention with the shared keys of each group read once for all its rows: shared
 // tasks (each group's rows in blocks of kSharedRows, per KV head, the keys split in ranges so
 // that every thread has work) on the prefill kernel, then every row over its own keys, then
@@ -373,12 +312,12 @@ std::vector<SharedGroup> shared_groups(const int64_t* tables, const int64_t* seq
 template <typename Query, typename Cache>
 void cascade_rows(const at::Tensor& query, const at::Tensor& key_cache,
                   const at::Tensor& value_cache, const at::Tensor& block_tables,
-                  const int64_t* seq_lens, const std::vector<SharedGroup>& groups,
+                  const int64_t* seq_lens, const std::vector<brigade_cpu::SharedGroup>& groups,
                   at::Tensor& out, float scale) {
   const int64_t num_rows = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t num_kv_heads = key_cache.size(2), group = num_heads / num_kv_heads;
   int64_t blocks = 0;
-  for (const SharedGroup& g : groups) {
+  for (const brigade_cpu::SharedGroup& g : groups) {
     blocks += (static_cast<int64_t>(g.rows.size()) + brigade_cpu::kSharedRows - 1) /
               brigade_cpu::kSharedRows;
   }
@@ -392,12 +331,12 @@ void cascade_rows(const at::Tensor& query, const at::Tensor& key_cache,
   std::vector<brigade_cpu::SharedPrefixTask> tasks;
   std::vector<int64_t> offsets;  // each task's first float in the partial buffers
   int64_t floats = 0;
-  for (const SharedGroup& g : groups) {
+  for (const brigade_cpu::SharedGroup& g : groups) {
     for (size_t b = 0; b < g.rows.size(); b += brigade_cpu::kSharedRows) {
       const int64_t count =
           std::min<int64_t>(brigade_cpu::kSharedRows, static_cast<int64_t>(g.rows.size() - b));
       const int64_t most = brigade_cpu::max_shared_keys(count * group);
-      const int64_t ranges = std::max(std::min(split, g.keys / kMinSharedKeys),
+      const int64_t ranges = std::max(std::min(split, g.keys / brigade_cpu::kMinSharedKeys),
                                       (g.keys + most - 1) / most);
       const int64_t range = (g.keys + ranges - 1) / ranges;
       for (int64_t i = 0; i < count; ++i) {
@@ -497,9 +436,9 @@ at::Tensor paged_decode(at::Tensor query, at::Tensor key_cache, at::Tensor value
   const int64_t* lengths = seq_lens.data_ptr<int64_t>();
   // Rows sharing pages read them once (cascade); not with a sliding window, whose rows start
   // at their own positions.
-  std::vector<SharedGroup> groups;
+  std::vector<brigade_cpu::SharedGroup> groups;
   if (cascade && window <= 0 && num_rows >= 2 && attend_vec_for<float>(head_dim) != nullptr) {
-    groups = shared_groups(block_tables.data_ptr<int64_t>(), lengths, num_rows,
+    groups = brigade_cpu::shared_groups(block_tables.data_ptr<int64_t>(), lengths, num_rows,
                            block_tables.size(1), page_size);
   }
   const auto run = [&](auto query_type, auto cache_type) {
@@ -536,25 +475,7 @@ at::Tensor paged_decode(at::Tensor query, at::Tensor key_cache, at::Tensor value
 }
 
 // torch.ops.brigade_cpu.paged_decode (no pybind11: the build needs only ATen's headers).
-// Keys each decode row would read through cascade attention, shared with other rows (0: none):
-// torch.ops.brigade_cpu.shared_decode_keys, so the grouping can be inspected and tested.
-at::Tensor shared_decode_keys(at::Tensor block_tables, at::Tensor seq_lens, int64_t page_size) {
-  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() &&
-                  block_tables.dim() == 2 && seq_lens.scalar_type() == at::kLong &&
-                  seq_lens.is_contiguous() && seq_lens.size(0) <= block_tables.size(0),
-              "block_tables must be int64 [rows, max_pages] and seq_lens int64 [rows]");
-  const int64_t num_rows = seq_lens.size(0);
-  auto keys = at::zeros({num_rows}, seq_lens.options());
-  for (const SharedGroup& group :
-       shared_groups(block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), num_rows,
-                     block_tables.size(1), page_size)) {
-    for (const int64_t row : group.rows) keys.data_ptr<int64_t>()[row] = group.keys;
-  }
-  return keys;
-}
-
 TORCH_LIBRARY(brigade_cpu, m) {
-  m.def("shared_decode_keys", &shared_decode_keys);
   m.def(
       "paged_decode(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
       "Tensor seq_lens, int window, float scale, bool cascade=True) -> Tensor",
