@@ -13,12 +13,15 @@ current step on SIGTERM, and exits by itself when its parent (the supervisor) is
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import structlog
 import torch
@@ -48,16 +51,32 @@ IDLE_POLL_MS = 100
 PARENT_POLL_S = 0.2
 
 
-def watch_parent(parent_pid: int) -> None:
+def watch_parent(parent_pid: int, leave: Callable[[], None] | None = None) -> None:
     """Exit this process at once (status 1) when ``parent_pid`` is no longer its parent:
-    a supervisor killed with SIGKILL must not leave an engine or a front end behind."""
+    a supervisor killed with SIGKILL must not leave an engine or a front end behind. ``leave``
+    runs first, best effort: what the supervisor would have removed."""
 
     def watch() -> None:
         while os.getppid() == parent_pid:
             time.sleep(PARENT_POLL_S)
+        if leave is not None:
+            with contextlib.suppress(Exception):
+                leave()
         os._exit(1)
 
     threading.Thread(target=watch, name="brigade-parent-watch", daemon=True).start()
+
+
+def remove_ipc_address(address: str) -> None:
+    """Unlink an ``ipc://`` address's socket file, and its folder once empty when it is the
+    supervisor's private run directory (``brigade-*``)."""
+    if not address.startswith("ipc://"):
+        return
+    path = Path(address.removeprefix("ipc://"))
+    path.unlink(missing_ok=True)
+    if path.parent.name.startswith("brigade-"):
+        with contextlib.suppress(OSError):  # another replica's socket is still there
+            path.parent.rmdir()
 
 
 def engine_threads(num_replicas: int = 1) -> int:
@@ -82,7 +101,7 @@ def run_engine_process(
     ``num_replicas`` data-parallel replicas (each one engine)."""
     os.setpgrp()  # a terminal's Ctrl-C reaches the supervisor only; it stops us in order
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    watch_parent(parent_pid)
+    watch_parent(parent_pid, leave=lambda: remove_ipc_address(address))
     from brigade.config import load_config
     from brigade.registry import default_registry
     from brigade.server.logs import configure_logging

@@ -144,3 +144,26 @@ def test_the_engine_on_a_thread_is_one_process(tmp_path: Path) -> None:
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
     assert not log_events(server_log(tmp_path, base), "processes_started")
+
+
+def test_a_supervisor_killed_with_sigkill_leaves_no_process_and_no_socket(
+    tmp_path: Path,
+) -> None:
+    """The engine and the front end notice their parent is gone and exit; the engine removes
+    its socket and the supervisor's private run directory, which the supervisor cannot."""
+    config = tiny_server_config(tiny_model(tmp_path), max_model_len=64, num_pages=64)
+    with running_server(config, tmp_path) as (base, process):
+        assert completion(base) == 4
+        started = log_events(server_log(tmp_path, base), "processes_started")[0]
+        socket_path = Path(started["addresses"][0].removeprefix("ipc://"))
+        assert socket_path.exists()
+        children = [int(started["engine_pids"][0]), *map(int, started["frontend_pids"])]
+        process.kill()
+        process.wait(timeout=10)
+        deadline = time.monotonic() + 10  # bounded: the children poll their parent
+        while time.monotonic() < deadline and any(psutil.pid_exists(pid) for pid in children):
+            time.sleep(0.1)
+    for pid in children:
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie", pid
+    assert not socket_path.exists()
+    assert not socket_path.parent.exists()
