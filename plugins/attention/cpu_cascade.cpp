@@ -21,6 +21,7 @@
 
 #include "cpu_exp.h"
 #include "cpu_scalar.h"
+#include "cpu_tasks.h"
 #include "cpu_vec.h"
 
 #include <algorithm>
@@ -216,18 +217,12 @@ void run_tasks(const at::Tensor& query, const at::Tensor& key_cache,
   const Query* q = query.data_ptr<Query>();
   const Cache* keys = key_cache.data_ptr<Cache>();
   const Cache* values = value_cache.data_ptr<Cache>();
-  std::atomic<int64_t> next{0};
-  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), num_tasks);
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    Scratch scratch;
-    for (int64_t worker = begin; worker < end; ++worker) {
-      for (int64_t index = next++; index < num_tasks; index = next++) {
+  brigade_cpu::run_tasks(
+      static_cast<int64_t>(tasks.size()), [] { return Scratch(); },
+      [&](int64_t index, Scratch& scratch) {
         const SharedPrefixTask& task = tasks[index];
         fn(task, q, keys, values, tables + task.leader * max_pages, geo, scratch);
-      }
-    }
-  });
+      });
 }
 
 }  // namespace

@@ -40,7 +40,7 @@ _SOURCES = tuple(
 )
 _HEADERS = tuple(
     Path(__file__).with_name(name)
-    for name in ("cpu_cascade.h", "cpu_exp.h", "cpu_scalar.h", "cpu_vec.h")
+    for name in ("cpu_cascade.h", "cpu_exp.h", "cpu_scalar.h", "cpu_tasks.h", "cpu_vec.h")
 )
 _CFLAGS = [
     "-O3",

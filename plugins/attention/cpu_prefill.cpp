@@ -25,6 +25,7 @@
 
 #include "cpu_exp.h"
 #include "cpu_scalar.h"
+#include "cpu_tasks.h"
 #include "cpu_vec.h"
 
 #include <algorithm>
@@ -247,18 +248,13 @@ void prefill(const at::Tensor& query, const at::Tensor& key_cache, const at::Ten
   Query* o = out.data_ptr<Query>();
   const Cache* keys = key_cache.data_ptr<Cache>();
   const Cache* values = value_cache.data_ptr<Cache>();
-  std::atomic<int64_t> next{0};
-  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), num_tasks);
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    Scratch scratch(kQueryBlock * geo.group, geo.head_dim, 4);
-    for (int64_t worker = begin; worker < end; ++worker) {
-      for (int64_t index = next++; index < num_tasks; index = next++) {
+  brigade_cpu::run_tasks(
+      static_cast<int64_t>(tasks.size()),
+      [&] { return Scratch(kQueryBlock * geo.group, geo.head_dim, 4); },
+      [&](int64_t index, Scratch& scratch) {
         const Task& task = tasks[index];
         fn(task, q, o, out_first, keys, values, tables + task.row * max_pages, geo, scratch);
-      }
-    }
-  });
+      });
 }
 
 }  // namespace
