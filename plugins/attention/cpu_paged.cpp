@@ -305,10 +305,18 @@ void decode_rows(const Query* query, const Cache* key_cache, const Cache* value_
   });
 }
 
+// Writes emitted float32 results into out [rows, heads, head_dim] as Query.
+template <typename Query>
+inline void store_heads(Query* out, int64_t num_heads, int64_t head_dim, int64_t row,
+                        int64_t head, int64_t heads, const float* o) {
+  Query* target = out + (row * num_heads + head) * head_dim;
+  for (int64_t e = 0; e < heads * head_dim; ++e) target[e] = brigade_cpu::from_float<Query>(o[e]);
+}
+
 // Decode attention with the shared keys of each group read once for all its rows: shared
 // tasks (each group's rows in blocks of kSharedRows, per KV head, the keys split in ranges so
-// that every thread has work) on the prefill kernel, then every row over its own keys, then
-// the partial results merged by their log-sum-exps.
+// that every thread has work) on cpu_cascade.cpp's kernel, then every row over its own keys,
+// merged with its shared parts by their log-sum-exps.
 template <typename Query, typename Cache>
 void cascade_rows(const at::Tensor& query, const at::Tensor& key_cache,
                   const at::Tensor& value_cache, const at::Tensor& block_tables,
@@ -367,14 +375,14 @@ void cascade_rows(const at::Tensor& query, const at::Tensor& key_cache,
   const auto merge = [&](int64_t row, int64_t head, int64_t heads, const float* o,
                          const float* lse) {
     const int64_t ranges = ranges_of[row];
+    if (ranges == 0) {  // a row sharing nothing: its own result, as it is
+      store_heads(result, num_heads, head_dim, row, head, heads, o);
+      return;
+    }
     thread_local std::vector<float> merged;
     merged.resize(head_dim);
     for (int64_t h = 0; h < heads; ++h, o += head_dim) {
       Query* target = result + (row * num_heads + head + h) * head_dim;
-      if (ranges == 0) {  // a row sharing nothing: its own result, as it is
-        for (int64_t e = 0; e < head_dim; ++e) target[e] = brigade_cpu::from_float<Query>(o[e]);
-        continue;
-      }
       const int64_t kv_head = (head + h) / group, g = (head + h) % group;
       const brigade_cpu::SharedPrefixTask* parts =
           tasks.data() + first_task[row] + kv_head * ranges;
@@ -452,10 +460,7 @@ at::Tensor paged_decode(at::Tensor query, at::Tensor key_cache, at::Tensor value
     Query* result = out.data_ptr<Query>();
     const auto store = [&](int64_t row, int64_t head, int64_t heads, const float* o,
                            const float*) {
-      Query* target = result + (row * num_heads + head) * head_dim;
-      for (int64_t e = 0; e < heads * head_dim; ++e) {
-        target[e] = brigade_cpu::from_float<Query>(o[e]);
-      }
+      store_heads(result, num_heads, head_dim, row, head, heads, o);
     };
     decode_rows(query.data_ptr<Query>(), key_cache.data_ptr<Cache>(),
                 value_cache.data_ptr<Cache>(), block_tables.data_ptr<int64_t>(), lengths,
