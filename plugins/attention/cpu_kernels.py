@@ -1,5 +1,6 @@
 """Brigade's C++ kernels for CPUs, built on first use and cached: decode attention over the
-paged KV cache (``cpu_paged.cpp``; rows sharing a prefix read it once, ``cpu_cascade.cpp``),
+paged KV cache (``cpu_paged.cpp``, its per-row kernels in ``cpu_rows.h``; rows sharing a prefix
+read it once, ``cpu_cascade.cpp``),
 prefill attention (``cpu_prefill.cpp``) and a decoder layer's small fused operations
 (``cpu_fused.cpp``: RMSNorm with and without the residual add, SiLU-mul, RoPE), all in
 ``torch.ops.brigade_cpu``.
@@ -40,7 +41,14 @@ _SOURCES = tuple(
 )
 _HEADERS = tuple(
     Path(__file__).with_name(name)
-    for name in ("cpu_cascade.h", "cpu_exp.h", "cpu_scalar.h", "cpu_tasks.h", "cpu_vec.h")
+    for name in (
+        "cpu_cascade.h",
+        "cpu_exp.h",
+        "cpu_rows.h",
+        "cpu_scalar.h",
+        "cpu_tasks.h",
+        "cpu_vec.h",
+    )
 )
 _CFLAGS = [
     "-O3",

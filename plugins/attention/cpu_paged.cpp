@@ -4,7 +4,8 @@
 // score the row's keys, page by page, up to the row's own length (and, with a sliding window,
 // from its start); a softmax in float32 turns scores into weights; the weighted values are
 // summed. Nothing is gathered into a dense copy and no row reads past its own length, so a
-// batch of mixed lengths costs what its rows' tokens cost.
+// batch of mixed lengths costs what its rows' tokens cost. The per-row kernels, and the
+// read-ahead that keeps a thread's next pages on their way into L2, are in cpu_rows.h.
 //
 // Layouts (contiguous): query [rows, heads, head_dim] float32 or bfloat16; key_cache and
 // value_cache [pages, page_size, kv_heads, head_dim] float32 or bfloat16; block_tables
@@ -18,9 +19,8 @@
 #include <torch/library.h>
 
 #include "cpu_cascade.h"
-#include "cpu_exp.h"
+#include "cpu_rows.h"
 #include "cpu_scalar.h"
-#include "cpu_vec.h"
 
 #include <algorithm>
 #include <cmath>
@@ -32,218 +32,10 @@
 
 namespace {
 
+using brigade_cpu::AttendVec;
+using brigade_cpu::attend_scalar;
+using brigade_cpu::attend_vec_for;
 using brigade_cpu::to_float;
-
-// Scores of `group` query heads against one key vector: out[g * stride] = q_g . key * scale.
-template <typename Cache>
-inline void score_key(const float* q, const Cache* key, float* out, int64_t stride, int64_t group,
-                      int64_t head_dim, float scale) {
-  for (int64_t g = 0; g < group; ++g) {
-    const float* qg = q + g * head_dim;
-    float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-    for (int64_t e = 0; e < head_dim; ++e) dot += qg[e] * to_float(key[e]);
-    out[g * stride] = dot * scale;
-  }
-}
-
-// Each of `group` rows of `count` scores -> its softmax, in place; lse (unless null) gets each
-// row's log-sum-exp.
-inline void softmax_rows(float* s, int64_t group, int64_t count, float* lse) {
-  for (int64_t g = 0; g < group; ++g) {
-    float* sg = s + g * count;
-    float maximum = sg[0];
-    for (int64_t t = 1; t < count; ++t) maximum = std::max(maximum, sg[t]);
-    float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-    for (int64_t t = 0; t < count; ++t) {
-      sg[t] = brigade_cpu::exp_clamped(sg[t] - maximum);
-      total += sg[t];
-    }
-    const float inverse = 1.0f / total;
-#pragma omp simd
-    for (int64_t t = 0; t < count; ++t) sg[t] *= inverse;
-    if (lse != nullptr) lse[g] = maximum + std::log(total);
-  }
-}
-
-template <typename Cache>
-inline void add_value(const float* weights, const Cache* value, float* accumulator,
-                      int64_t stride, int64_t group, int64_t head_dim) {
-  for (int64_t g = 0; g < group; ++g) {
-    const float weight = weights[g * stride];
-    float* acc = accumulator + g * head_dim;
-#pragma omp simd
-    for (int64_t e = 0; e < head_dim; ++e) acc[e] += weight * to_float(value[e]);
-  }
-}
-
-// Caches with head_dim a multiple of the vector width (16 floats with AVX-512, else 8: GCC
-// vector extensions, so AVX/AVX-512/NEON as the CPU has) take vector loops that walk each row
-// page by page (the page and slot arithmetic once per page, not per key), load each key and
-// value once for all query heads of its KV head, and widen bfloat16 as it is loaded.
-using brigade_cpu::kLanes;
-using brigade_cpu::kMaxChunks;
-using brigade_cpu::load_vec;
-using brigade_cpu::sum_lanes;
-using brigade_cpu::vecf;
-
-// Calls visit(offset, next, t0, n) once per page of positions [first, length) of a row whose
-// pages are `pages`: the page's keys t0 .. t0 + n - 1 start at element `offset` of the cache,
-// and the next page's at `next` (-1 on the last page), for prefetching.
-template <typename Visit>
-inline void for_each_page(const int64_t* pages, int64_t first, int64_t length, int64_t page_size,
-                          int64_t page_stride, int64_t token_stride, Visit visit) {
-  int64_t t = 0;
-  int64_t page = first / page_size, slot = first % page_size;
-  const int64_t last = (length - 1) / page_size;
-  for (; page <= last; ++page, slot = 0) {
-    const int64_t n = std::min(page_size, length - page * page_size) - slot;
-    const int64_t next = page < last ? pages[page + 1] * page_stride : -1;
-    visit(pages[page] * page_stride + slot * token_stride, next, t, n);
-    t += n;
-  }
-}
-
-// Pages are scattered over the pool, so the hardware cannot see the next one coming: while a
-// page's slot j is read, the same slot of the next page is fetched (the `bytes` of its heads
-// this item reads).
-inline void prefetch_span(const void* slot, int64_t bytes) {
-  const char* line = static_cast<const char*>(slot);
-  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(line + b);
-}
-
-// One row's KV heads [h0, h0 + kv_heads): their query heads q [kv_heads * group, head_dim]
-// against the row's keys in [first, length) -> o [kv_heads * group, head_dim] (head_dim =
-// C * kLanes); `offset` is h0's element offset within a slot, s holds [kv_heads * group,
-// count] scores as scratch. Both passes walk the pages in order, reading each slot's heads
-// as one contiguous span; the values pass sums a page's slots for two query heads at a time in
-// registers, while the page is hot in L1. lse (unless null) gets each query head's log-sum-exp.
-template <int C, typename Cache>
-void attend_vec(const float* q, const Cache* key_cache, const Cache* value_cache,
-                const int64_t* pages, int64_t first, int64_t length, int64_t offset,
-                int64_t kv_heads, int64_t group, int64_t page_size, int64_t page_stride,
-                int64_t token_stride, float scale, float* s, float* o, float* lse) {
-  constexpr int64_t head_dim = C * kLanes;
-  const int64_t count = length - first;
-  const int64_t heads = kv_heads * group;
-  const int64_t span_bytes = kv_heads * head_dim * static_cast<int64_t>(sizeof(Cache));
-  // Pass 1: scores, each key loaded once for all the query heads of its KV head.
-  for_each_page(pages, first, length, page_size, page_stride, token_stride,
-                [&](int64_t page, int64_t next, int64_t t0, int64_t n) {
-                  const Cache* slot = key_cache + page + offset;
-                  const Cache* ahead = key_cache + next + offset;
-                  for (int64_t j = 0; j < n; ++j, slot += token_stride) {
-                    if (next >= 0) prefetch_span(ahead + j * token_stride, span_bytes);
-                    for (int64_t h = 0; h < kv_heads; ++h) {
-                      vecf k[C];
-                      for (int c = 0; c < C; ++c) k[c] = load_vec(slot + h * head_dim + c * kLanes);
-                      for (int64_t g = h * group; g < (h + 1) * group; ++g) {
-                        const float* qg = q + g * head_dim;
-                        vecf acc = k[0] * load_vec(qg);
-                        for (int c = 1; c < C; ++c) acc += k[c] * load_vec(qg + c * kLanes);
-                        s[g * count + t0 + j] = sum_lanes(acc) * scale;
-                      }
-                    }
-                  }
-                });
-  softmax_rows(s, heads, count, lse);
-  // Pass 2: the weighted values.
-  std::fill(o, o + heads * head_dim, 0.0f);
-  for_each_page(
-      pages, first, length, page_size, page_stride, token_stride,
-      [&](int64_t page, int64_t next, int64_t t0, int64_t n) {
-        const Cache* base = value_cache + page + offset;
-        const Cache* ahead = value_cache + next + offset;
-        for (int64_t g0 = 0; g0 < heads; g0 += 2) {
-          const int64_t h0 = g0 / group, h1 = std::min(g0 + 1, heads - 1) / group;
-          const float* w0 = s + g0 * count + t0;
-          const float* w1 = s + std::min(g0 + 1, heads - 1) * count + t0;
-          vecf acc0[C] = {}, acc1[C] = {};
-          const Cache* slot = base;
-          for (int64_t j = 0; j < n; ++j, slot += token_stride) {
-            if (g0 == 0 && next >= 0) prefetch_span(ahead + j * token_stride, span_bytes);
-            const vecf a = vecf{} + w0[j], b = vecf{} + w1[j];
-            for (int c = 0; c < C; ++c) {
-              acc0[c] += a * load_vec(slot + h0 * head_dim + c * kLanes);
-              acc1[c] += b * load_vec(slot + h1 * head_dim + c * kLanes);
-            }
-          }
-          float* o0 = o + g0 * head_dim;
-          for (int c = 0; c < C; ++c) {
-            const vecf sum = load_vec(o0 + c * kLanes) + acc0[c];
-            std::memcpy(o0 + c * kLanes, &sum, sizeof(sum));
-          }
-          if (g0 + 1 < heads) {
-            float* o1 = o0 + head_dim;
-            for (int c = 0; c < C; ++c) {
-              const vecf sum = load_vec(o1 + c * kLanes) + acc1[c];
-              std::memcpy(o1 + c * kLanes, &sum, sizeof(sum));
-            }
-          }
-        }
-      });
-}
-
-template <typename Cache>
-using AttendVec = void (*)(const float*, const Cache*, const Cache*, const int64_t*, int64_t,
-                           int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float,
-                           float*, float*, float*);
-
-// attend_vec for this head_dim, or nullptr when it is not 1..8 vectors or 128.
-template <typename Cache>
-AttendVec<Cache> attend_vec_for(int64_t head_dim) {
-  if (head_dim % kLanes != 0) return nullptr;
-  switch (head_dim / kLanes) {
-    case 1: return attend_vec<1, Cache>;
-    case 2: return attend_vec<2, Cache>;
-    case 3: return attend_vec<3, Cache>;
-    case 4: return attend_vec<4, Cache>;
-    case 5: return attend_vec<5, Cache>;
-    case 6: return attend_vec<6, Cache>;
-    case 7: return attend_vec<7, Cache>;
-    case 8: return attend_vec<8, Cache>;
-    default: break;
-  }
-  return head_dim == 128 ? attend_vec<kMaxChunks, Cache> : nullptr;  // 16 vectors on AVX2
-}
-
-// Any head_dim: one key at a time, scores then values (the group's heads side by side);
-// the result is left in `accumulator` [group, head_dim], the log-sum-exps in lse (unless null).
-template <typename Cache>
-void attend_scalar(const float* q, const Cache* key_cache, const Cache* value_cache,
-                   const int64_t* pages, int64_t first, int64_t count, int64_t length,
-                   int64_t kv_head, int64_t group, int64_t head_dim, int64_t page_size,
-                   int64_t page_stride, int64_t token_stride, float scale, float* s,
-                   float* accumulator, float* lse) {
-  const int64_t last_page = (length - 1) / page_size;
-  // Pass 1: scores [group, count] (column t of head g at s[g * count + t]).
-  for (int64_t t = 0; t < count; ++t) {
-    const int64_t position = first + t;
-    const int64_t page = position / page_size;
-    if (position % page_size == 0 && page < last_page) {
-      // Pages are scattered, so the hardware cannot see the next one coming: start its
-      // first cache lines of both K and V now.
-      const int64_t next = pages[page + 1] * page_stride + kv_head * head_dim;
-      for (int64_t slot = 0; slot < page_size; slot += 4) {
-        __builtin_prefetch(key_cache + next + slot * token_stride);
-        __builtin_prefetch(value_cache + next + slot * token_stride);
-      }
-    }
-    const Cache* key = key_cache + pages[page] * page_stride +
-                       (position % page_size) * token_stride + kv_head * head_dim;
-    score_key(q, key, s + t, count, group, head_dim, scale);
-  }
-  softmax_rows(s, group, count, lse);
-  // Pass 2: the weighted sum of the values.
-  std::fill(accumulator, accumulator + group * head_dim, 0.0f);
-  for (int64_t t = 0; t < count; ++t) {
-    const int64_t position = first + t;
-    const Cache* value = value_cache + pages[position / page_size] * page_stride +
-                         (position % page_size) * token_stride + kv_head * head_dim;
-    add_value(s + t, value, accumulator, count, group, head_dim);
-  }
-}
 
 // Each row's decode attention over its keys [first, length) (first: starts[row] when starts is
 // given, else 0 or the sliding window's start), handed over as it is done:
@@ -268,18 +60,21 @@ void decode_rows(const Query* query, const Cache* key_cache, const Cache* value_
       vectorized != nullptr && num_rows >= 2 * at::get_num_threads() ? num_kv_heads : 1;
   const int64_t spans = num_kv_heads / span;
   const int64_t heads = span * group, width = heads * head_dim;  // a task's query heads
+  const brigade_cpu::DecodeTasks tasks{block_tables, seq_lens, starts, max_pages,
+                                       page_size,    window,   spans,  span};
+  constexpr int64_t element = sizeof(Cache);
   at::parallel_for(0, num_rows * spans, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(heads * std::max<int64_t>(longest, 1));
     std::vector<float> widened(widen ? width : 0), o(width), lse(heads);
+    brigade_cpu::ReadAhead ahead(reinterpret_cast<const char*>(key_cache),
+                                 reinterpret_cast<const char*>(value_cache), tasks, begin,
+                                 vectorized != nullptr ? end : begin, token_stride * element,
+                                 head_dim * element, span * head_dim * element);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t row = item / spans;
-      const int64_t kv_head = (item % spans) * span;
-      const int64_t length = seq_lens[row];
-      const int64_t first = starts != nullptr ? starts[row]
-                            : window > 0      ? std::max<int64_t>(0, length - window)
-                                              : 0;
+      const int64_t row = tasks.row(item), kv_head = tasks.kv_head(item);
+      const auto [first, length] = tasks.range(row);
       const int64_t count = length - first;
-      const int64_t* pages = block_tables + row * max_pages;
+      const int64_t* pages = tasks.pages(row);
       const int64_t head_offset = (row * num_heads + kv_head * group) * head_dim;
       const float* q;
       if constexpr (widen) {
@@ -294,7 +89,7 @@ void decode_rows(const Query* query, const Cache* key_cache, const Cache* value_
       } else if (vectorized != nullptr) {
         vectorized(q, key_cache, value_cache, pages, first, length, kv_head * head_dim, span,
                    group, page_size, page_stride, token_stride, scale, scores.data(), o.data(),
-                   lse.data());
+                   lse.data(), ahead);
       } else {
         attend_scalar(q, key_cache, value_cache, pages, first, count, length, kv_head, group,
                       head_dim, page_size, page_stride, token_stride, scale, scores.data(),

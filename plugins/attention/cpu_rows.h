@@ -1,0 +1,343 @@
+// One decode row's attention over its own pages, for cpu_paged.cpp's decode_rows: a vector
+// kernel (head_dim a whole number of vectors) and a scalar one (any head_dim), both two passes
+// over the row's pages (scores, then the weighted values), and ReadAhead, which keeps the pages
+// a thread will read next on their way into L2.
+#pragma once
+
+#include "cpu_exp.h"
+#include "cpu_scalar.h"
+#include "cpu_vec.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace brigade_cpu {
+
+// Scores of `group` query heads against one key vector: out[g * stride] = q_g . key * scale.
+template <typename Cache>
+inline void score_key(const float* q, const Cache* key, float* out, int64_t stride, int64_t group,
+                      int64_t head_dim, float scale) {
+  for (int64_t g = 0; g < group; ++g) {
+    const float* qg = q + g * head_dim;
+    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t e = 0; e < head_dim; ++e) dot += qg[e] * to_float(key[e]);
+    out[g * stride] = dot * scale;
+  }
+}
+
+// Each of `group` rows of `count` scores -> its softmax, in place; lse (unless null) gets each
+// row's log-sum-exp.
+inline void softmax_rows(float* s, int64_t group, int64_t count, float* lse) {
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = s + g * count;
+    float maximum = sg[0];
+    for (int64_t t = 1; t < count; ++t) maximum = std::max(maximum, sg[t]);
+    float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t t = 0; t < count; ++t) {
+      sg[t] = brigade_cpu::exp_clamped(sg[t] - maximum);
+      total += sg[t];
+    }
+    const float inverse = 1.0f / total;
+#pragma omp simd
+    for (int64_t t = 0; t < count; ++t) sg[t] *= inverse;
+    if (lse != nullptr) lse[g] = maximum + std::log(total);
+  }
+}
+
+template <typename Cache>
+inline void add_value(const float* weights, const Cache* value, float* accumulator,
+                      int64_t stride, int64_t group, int64_t head_dim) {
+  for (int64_t g = 0; g < group; ++g) {
+    const float weight = weights[g * stride];
+    float* acc = accumulator + g * head_dim;
+#pragma omp simd
+    for (int64_t e = 0; e < head_dim; ++e) acc[e] += weight * to_float(value[e]);
+  }
+}
+
+// The positions [first, length) a decode row attends to.
+struct RowRange {
+  int64_t first, length;
+};
+
+// Where decode_rows' tasks read: task `item` is row item / spans over the KV heads from
+// (item % spans) * span, its keys [first, length): from starts[row] when starts is given, else
+// from 0 or the sliding window's start.
+struct DecodeTasks {
+  const int64_t* block_tables;  // [rows, max_pages]
+  const int64_t* seq_lens;
+  const int64_t* starts;  // or nullptr
+  int64_t max_pages, page_size, window, spans, span;
+
+  int64_t row(int64_t item) const { return item / spans; }
+  int64_t kv_head(int64_t item) const { return (item % spans) * span; }
+  const int64_t* pages(int64_t row) const { return block_tables + row * max_pages; }
+  RowRange range(int64_t row) const {
+    const int64_t length = seq_lens[row];
+    const int64_t first = starts != nullptr ? starts[row]
+                          : window > 0      ? std::max<int64_t>(0, length - window)
+                                            : 0;
+    return {first, length};
+  }
+};
+
+// Pages are scattered over the pool, so the hardware cannot see the next one coming: while a
+// page's slot j is read, the same slot of the next page is fetched into L1 (the `bytes` of its
+// heads this task reads) ...
+inline void prefetch_span(const void* slot, int64_t bytes) {
+  const char* line = static_cast<const char*>(slot);
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(line + b);
+}
+
+// Into L2. An assembler statement on x86: GCC deletes a loop nest that only prefetches, as a
+// loop without effects.
+inline void prefetch_span_l2(const void* slot, int64_t bytes) {
+  const char* line = static_cast<const char*>(slot);
+  for (int64_t b = 0; b < bytes; b += 64) {
+#if defined(__x86_64__)
+    asm volatile("prefetcht2 %0" : : "m"(line[b]));
+#else
+    __builtin_prefetch(line + b, 0, 1);
+#endif
+  }
+}
+
+// ... but one page is read in a few hundred nanoseconds, about a memory access's latency, so
+// the next page alone arrives late and a thread keeps too few reads in flight. ReadAhead
+// walks the pages a thread's tasks read, in the order they read them (each task's key pages,
+// then its value pages, then the next task's), a few pages in front of the reader, and fetches
+// them into L2: the reader calls next() as it starts each page and prefetches the slots of the
+// page it gets back as it reads its own. Across tasks too, so a row's first pages are on their
+// way before the thread gets to it.
+class ReadAhead {
+ public:
+  static constexpr int64_t kBytes = 48 * 1024;  // 4 of SmolLM2's pages (16 slots of 768 bytes)
+
+  ReadAhead(const char* keys, const char* values, const DecodeTasks& tasks, int64_t item,
+            int64_t end, int64_t token_bytes, int64_t head_bytes, int64_t span_bytes)
+      : keys_(keys), values_(values), tasks_(tasks), item_(item - 1), end_(end),
+        token_bytes_(token_bytes), head_bytes_(head_bytes), span_bytes_(span_bytes) {
+    enter_next_task();
+    const int64_t page_bytes = tasks.page_size * span_bytes;
+    for (int64_t ahead = std::max<int64_t>(2, kBytes / page_bytes); ahead > 0; --ahead) {
+      prefetch_page(next(), tasks.page_size);
+    }
+  }
+
+  // The page the cursor is at (nullptr past the last task's), then one page on.
+  const char* next() {
+    if (item_ >= end_) return nullptr;
+    const char* page = (values_pass_ ? values_ : keys_) + pages_[page_] * page_bytes() + offset_;
+    if (++page_ > last_) {
+      if (!values_pass_) {
+        values_pass_ = true;
+        page_ = first_;
+      } else {
+        enter_next_task();
+      }
+    }
+    return page;
+  }
+
+  // Slots [from, to) of a page next() returned (nullptr: nothing).
+  void prefetch_slots(const char* page, int64_t from, int64_t to) const {
+    if (page == nullptr) return;
+    for (int64_t j = from; j < to; ++j) prefetch_span_l2(page + j * token_bytes_, span_bytes_);
+  }
+
+  void prefetch_page(const char* page, int64_t slots) const { prefetch_slots(page, 0, slots); }
+
+ private:
+  int64_t page_bytes() const { return tasks_.page_size * token_bytes_; }
+
+  void enter_next_task() {
+    for (++item_; item_ < end_; ++item_) {
+      const int64_t row = tasks_.row(item_);
+      const RowRange range = tasks_.range(row);
+      if (range.length <= range.first) continue;  // a task that reads nothing
+      pages_ = tasks_.pages(row);
+      first_ = range.first / tasks_.page_size;
+      last_ = (range.length - 1) / tasks_.page_size;
+      page_ = first_;
+      values_pass_ = false;
+      offset_ = tasks_.kv_head(item_) * head_bytes_;
+      return;
+    }
+  }
+
+  const char* keys_;
+  const char* values_;
+  const DecodeTasks& tasks_;
+  int64_t item_, end_, token_bytes_, head_bytes_, span_bytes_;
+  const int64_t* pages_ = nullptr;
+  int64_t first_ = 0, last_ = -1, page_ = 0, offset_ = 0;
+  bool values_pass_ = false;
+};
+
+// Caches with head_dim a multiple of the vector width (16 floats with AVX-512, else 8: GCC
+// vector extensions, so AVX/AVX-512/NEON as the CPU has) take vector loops that walk each row
+// page by page (the page and slot arithmetic once per page, not per key), load each key and
+// value once for all query heads of its KV head, and widen bfloat16 as it is loaded.
+// Calls visit(offset, next, t0, n) once per page of positions [first, length) of a row whose
+// pages are `pages`: the page's keys t0 .. t0 + n - 1 start at element `offset` of the cache,
+// and the next page's at `next` (-1 on the last page), for prefetching.
+template <typename Visit>
+inline void for_each_page(const int64_t* pages, int64_t first, int64_t length, int64_t page_size,
+                          int64_t page_stride, int64_t token_stride, Visit visit) {
+  int64_t t = 0;
+  int64_t page = first / page_size, slot = first % page_size;
+  const int64_t last = (length - 1) / page_size;
+  for (; page <= last; ++page, slot = 0) {
+    const int64_t n = std::min(page_size, length - page * page_size) - slot;
+    const int64_t next = page < last ? pages[page + 1] * page_stride : -1;
+    visit(pages[page] * page_stride + slot * token_stride, next, t, n);
+    t += n;
+  }
+}
+
+// One row's KV heads [h0, h0 + kv_heads): their query heads q [kv_heads * group, head_dim]
+// against the row's keys in [first, length) -> o [kv_heads * group, head_dim] (head_dim =
+// C * kLanes); `offset` is h0's element offset within a slot, s holds [kv_heads * group,
+// count] scores as scratch. Both passes walk the pages in order, reading each slot's heads
+// as one contiguous span; the values pass sums a page's slots for two query heads at a time in
+// registers, while the page is hot in L1. lse (unless null) gets each query head's log-sum-exp.
+template <int C, typename Cache>
+void attend_vec(const float* q, const Cache* key_cache, const Cache* value_cache,
+                const int64_t* pages, int64_t first, int64_t length, int64_t offset,
+                int64_t kv_heads, int64_t group, int64_t page_size, int64_t page_stride,
+                int64_t token_stride, float scale, float* s, float* o, float* lse,
+                ReadAhead& ahead) {
+  constexpr int64_t head_dim = C * kLanes;
+  const int64_t count = length - first;
+  const int64_t heads = kv_heads * group;
+  const int64_t span_bytes = kv_heads * head_dim * static_cast<int64_t>(sizeof(Cache));
+  // Pass 1: scores, each key loaded once for all the query heads of its KV head.
+  for_each_page(pages, first, length, page_size, page_stride, token_stride,
+                [&](int64_t page, int64_t next, int64_t t0, int64_t n) {
+                  const Cache* slot = key_cache + page + offset;
+                  const Cache* following = key_cache + next + offset;
+                  const char* far = ahead.next();
+                  for (int64_t j = 0; j < n; ++j, slot += token_stride) {
+                    if (next >= 0) prefetch_span(following + j * token_stride, span_bytes);
+                    ahead.prefetch_slots(far, j, j + 1);
+                    for (int64_t h = 0; h < kv_heads; ++h) {
+                      vecf k[C];
+                      for (int c = 0; c < C; ++c) k[c] = load_vec(slot + h * head_dim + c * kLanes);
+                      for (int64_t g = h * group; g < (h + 1) * group; ++g) {
+                        const float* qg = q + g * head_dim;
+                        vecf acc = k[0] * load_vec(qg);
+                        for (int c = 1; c < C; ++c) acc += k[c] * load_vec(qg + c * kLanes);
+                        s[g * count + t0 + j] = sum_lanes(acc) * scale;
+                      }
+                    }
+                  }
+                  ahead.prefetch_slots(far, n, page_size);
+                });
+  softmax_rows(s, heads, count, lse);
+  // Pass 2: the weighted values.
+  std::fill(o, o + heads * head_dim, 0.0f);
+  for_each_page(
+      pages, first, length, page_size, page_stride, token_stride,
+      [&](int64_t page, int64_t next, int64_t t0, int64_t n) {
+        const Cache* base = value_cache + page + offset;
+        const Cache* following = value_cache + next + offset;
+        const char* far = ahead.next();
+        for (int64_t g0 = 0; g0 < heads; g0 += 2) {
+          const int64_t h0 = g0 / group, h1 = std::min(g0 + 1, heads - 1) / group;
+          const float* w0 = s + g0 * count + t0;
+          const float* w1 = s + std::min(g0 + 1, heads - 1) * count + t0;
+          vecf acc0[C] = {}, acc1[C] = {};
+          const Cache* slot = base;
+          for (int64_t j = 0; j < n; ++j, slot += token_stride) {
+            if (g0 == 0) {
+              if (next >= 0) prefetch_span(following + j * token_stride, span_bytes);
+              ahead.prefetch_slots(far, j, j + 1);
+            }
+            const vecf a = vecf{} + w0[j], b = vecf{} + w1[j];
+            for (int c = 0; c < C; ++c) {
+              acc0[c] += a * load_vec(slot + h0 * head_dim + c * kLanes);
+              acc1[c] += b * load_vec(slot + h1 * head_dim + c * kLanes);
+            }
+          }
+          float* o0 = o + g0 * head_dim;
+          for (int c = 0; c < C; ++c) {
+            const vecf sum = load_vec(o0 + c * kLanes) + acc0[c];
+            std::memcpy(o0 + c * kLanes, &sum, sizeof(sum));
+          }
+          if (g0 + 1 < heads) {
+            float* o1 = o0 + head_dim;
+            for (int c = 0; c < C; ++c) {
+              const vecf sum = load_vec(o1 + c * kLanes) + acc1[c];
+              std::memcpy(o1 + c * kLanes, &sum, sizeof(sum));
+            }
+          }
+        }
+        ahead.prefetch_slots(far, n, page_size);
+      });
+}
+
+template <typename Cache>
+using AttendVec = void (*)(const float*, const Cache*, const Cache*, const int64_t*, int64_t,
+                           int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float,
+                           float*, float*, float*, ReadAhead&);
+
+// attend_vec for this head_dim, or nullptr when it is not 1..8 vectors or 128.
+template <typename Cache>
+AttendVec<Cache> attend_vec_for(int64_t head_dim) {
+  if (head_dim % kLanes != 0) return nullptr;
+  switch (head_dim / kLanes) {
+    case 1: return attend_vec<1, Cache>;
+    case 2: return attend_vec<2, Cache>;
+    case 3: return attend_vec<3, Cache>;
+    case 4: return attend_vec<4, Cache>;
+    case 5: return attend_vec<5, Cache>;
+    case 6: return attend_vec<6, Cache>;
+    case 7: return attend_vec<7, Cache>;
+    case 8: return attend_vec<8, Cache>;
+    default: break;
+  }
+  return head_dim == 128 ? attend_vec<kMaxChunks, Cache> : nullptr;  // 16 vectors on AVX2
+}
+
+// Any head_dim: one key at a time, scores then values (the group's heads side by side);
+// the result is left in `accumulator` [group, head_dim], the log-sum-exps in lse (unless null).
+template <typename Cache>
+void attend_scalar(const float* q, const Cache* key_cache, const Cache* value_cache,
+                   const int64_t* pages, int64_t first, int64_t count, int64_t length,
+                   int64_t kv_head, int64_t group, int64_t head_dim, int64_t page_size,
+                   int64_t page_stride, int64_t token_stride, float scale, float* s,
+                   float* accumulator, float* lse) {
+  const int64_t last_page = (length - 1) / page_size;
+  // Pass 1: scores [group, count] (column t of head g at s[g * count + t]).
+  for (int64_t t = 0; t < count; ++t) {
+    const int64_t position = first + t;
+    const int64_t page = position / page_size;
+    if (position % page_size == 0 && page < last_page) {
+      // Pages are scattered, so the hardware cannot see the next one coming: start its
+      // first cache lines of both K and V now.
+      const int64_t next = pages[page + 1] * page_stride + kv_head * head_dim;
+      for (int64_t slot = 0; slot < page_size; slot += 4) {
+        __builtin_prefetch(key_cache + next + slot * token_stride);
+        __builtin_prefetch(value_cache + next + slot * token_stride);
+      }
+    }
+    const Cache* key = key_cache + pages[page] * page_stride +
+                       (position % page_size) * token_stride + kv_head * head_dim;
+    score_key(q, key, s + t, count, group, head_dim, scale);
+  }
+  softmax_rows(s, group, count, lse);
+  // Pass 2: the weighted sum of the values.
+  std::fill(accumulator, accumulator + group * head_dim, 0.0f);
+  for (int64_t t = 0; t < count; ++t) {
+    const int64_t position = first + t;
+    const Cache* value = value_cache + pages[position / page_size] * page_stride +
+                         (position % page_size) * token_stride + kv_head * head_dim;
+    add_value(s + t, value, accumulator, count, group, head_dim);
+  }
+}
+
+}  // namespace brigade_cpu
