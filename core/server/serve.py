@@ -33,8 +33,11 @@ __all__ = ["build_state", "frontend_state", "run_http", "serve"]
 def build_state(config: EngineConfig, registry: Registry) -> ServerState:
     """Load the model and every component; start the engine thread (thread mode)."""
     engine = EngineCore(config, registry)
+    settings = config["server"].settings
     async_engine = AsyncEngine(
-        engine, max_waiting_requests=config["server"].settings.max_waiting_requests
+        engine,
+        max_waiting_requests=settings.max_waiting_requests,
+        step_timeout_s=settings.engine_step_timeout_s,
     )
     return frontend_state(config, registry, async_engine, engine.checkpoint)
 

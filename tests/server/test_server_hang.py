@@ -1,7 +1,7 @@
 """A hung engine (alive, stuck in one step) through the real server: with ``[server]
 engine_step_timeout_s`` the front ends notice the silence, kill the engine process, end its
-streams with an error that says why, answer 503 and exit 1. An idle engine is never taken
-for a hung one.
+streams with an error that says why, answer 503 and exit 1; in thread mode the engine is
+declared failed the same way. An idle engine is never taken for a hung one.
 
 The hang: the ``faulty`` sampler never returns from ``apply`` for a request with priority
 ``HANG`` once it has 2 tokens (tests/faulty_plugins.py).
@@ -115,6 +115,19 @@ def test_a_hung_engine_is_killed_and_the_server_exits_1_leaving_nothing(
     assert all("made no progress for" in event["reason"] for event in dead), dead
     for pid in pids:
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie", pid
+
+
+def test_a_hung_engine_thread_is_declared_failed_and_the_server_exits_1(
+    tmp_path: Path,
+) -> None:
+    """``--disable-frontend-multiprocessing``: the thread cannot be killed, but the server
+    fails the same way and exits, leaving the stuck thread behind."""
+    with hanging_server(tmp_path, ["--disable-frontend-multiprocessing"]) as (base, process):
+        lines, took_s = stream_a_hanging_request(base)
+        assert_failed_for_no_progress(base, lines, took_s)
+        assert process.wait(timeout=30) == 1
+        hung = log_events(server_log(tmp_path, base), "engine_hung")
+        assert [event["engine_step_timeout_s"] for event in hung] == [TIMEOUT_S]
 
 
 def test_a_hung_replica_leaves_rotation_and_the_last_one_stops_the_server(
