@@ -150,6 +150,13 @@ class ServerSettings:
         "(more than 1 needs engine_process = true)",
         ge=1,
     )
+    engine_step_timeout_s: float = option(
+        120.0,
+        help="an engine that makes no progress for this long (one step stuck in a plugin or "
+        "a kernel) has failed: the server answers 503 and exits 1 so that its supervisor "
+        "restarts it; 0 = never (else at least 1)",
+        ge=0,
+    )
 
 
 @dataclasses.dataclass(frozen=True)

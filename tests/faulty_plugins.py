@@ -3,7 +3,8 @@
 A request is "poisoned" by its priority: the ``faulty`` sampler's processor fails for the rows
 of requests whose priority is in :data:`POISON` (in the lifecycle method it maps to, once
 the request has ``fail_after_tokens`` output tokens; ``nan_logits`` makes the row's logits NaN
-instead of raising); the ``faulty`` scheduler fails to
+instead of raising) and never returns from ``apply`` for requests with priority :data:`HANG`
+(a hung step, from the same token on); the ``faulty`` scheduler fails to
 add requests with priority ``fail_add_priority`` and fails ``schedule`` while a request with
 priority ``fail_schedule_priority`` is queued, ``fail_schedule_times`` times at most; the
 ``brigade_request_finished`` hook raises for every request when ``FAULTY_HOOK`` is set in the
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -52,6 +54,8 @@ POISON = {"add": 21, "begin_step": 22, "apply": 23, "accept": 24, "nan_logits": 
 """Priority of a request the faulty processor fails for, by where it fails."""
 HOOK_POISON = 17
 """Priority of a request whose finished hook raises."""
+HANG = 26
+"""Priority of a request whose step never ends (the faulty processor sleeps in ``apply``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +79,8 @@ class FaultyProcessor(LogitsProcessor):
         )
 
     def add(self, row: int, request: Request) -> None:
-        mode = next((m for m, priority in POISON.items() if priority == request.priority), None)
+        modes = {**POISON, "hang": HANG}
+        mode = next((m for m, priority in modes.items() if priority == request.priority), None)
         if mode is None:
             return
         if mode == "add":
@@ -98,6 +103,9 @@ class FaultyProcessor(LogitsProcessor):
         if any(self._due(row, "apply") for row in row_list):
             logits.mul_(-1.0)  # edits in place first (flips argmaxes): the retry must not see it
             raise ValueError("poisoned row in apply")
+        if any(self._due(row, "hang") for row in row_list):
+            while True:  # alive, never done (sleeping: a thread-mode watchdog can still run)
+                time.sleep(0.05)
         undefined = [index for index, row in enumerate(row_list) if self._due(row, "nan_logits")]
         if undefined:
             logits[undefined] = float("nan")

@@ -9,6 +9,13 @@ The thread never dies silently: a request that cannot be queued fails alone, and
 engine dies (``EngineDeadError``, or anything escaping the loop) every waiting stream gets the
 error, :attr:`AsyncEngine.dead` says why, later requests are refused, and ``on_dead`` tells the
 server, which exits so that a supervisor restarts it.
+
+Nor does it hang silently: when its loop has not come round for ``step_timeout_s`` (``[server]
+engine_step_timeout_s``; one step stuck in a plugin or a kernel), a watchdog on the event loop
+declares the engine dead the same way. A thread cannot be stopped: the stuck step stays where
+it is, on a daemon thread that the server's exit leaves behind. (A step stuck while holding
+the GIL stops the whole process, watchdog and ``/health`` included: only a probe's timeout
+sees that.)
 """
 
 from __future__ import annotations
@@ -29,11 +36,16 @@ from brigade.interfaces import ExtraValue, PoolingParams, SamplingParams
 from brigade.sampling_stage import describe
 from brigade.server.engine_protocol import engine_info
 from brigade.server.errors import EngineOverloadedError, EngineUnavailableError
+from brigade.server.liveness import Watchdog, no_progress, report_hang
 from brigade.server.request_streams import RequestStreams
 
 __all__ = ["AsyncEngine", "EngineOverloadedError", "EngineUnavailableError"]
 
 logger = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.25
+"""With nothing to run, the longest the thread sleeps before its loop comes round (a command
+wakes it at once): the idle heartbeat the watchdog hears."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -63,7 +75,8 @@ _Command = _Add | _Abort | _AbortAll | None
 class AsyncEngine(RequestStreams):
     """Runs ``EngineCore.step`` in a loop on a worker thread; requests stream back to asyncio.
 
-    ``on_dead(reason)`` is called on the engine thread once, when the engine dies.
+    ``on_dead(reason)`` is called once, when the engine dies: on the engine thread, or on the
+    event loop when the watchdog finds it hung (``step_timeout_s``, 0: never).
     """
 
     def __init__(
@@ -71,6 +84,7 @@ class AsyncEngine(RequestStreams):
         engine: EngineCore,
         *,
         max_waiting_requests: int,
+        step_timeout_s: float = 0.0,
         on_dead: Callable[[str], None] | None = None,
     ) -> None:
         super().__init__(max_waiting_requests=max_waiting_requests, on_dead=on_dead)
@@ -78,6 +92,9 @@ class AsyncEngine(RequestStreams):
         self.info = engine_info(engine, os.getpid())
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._streams: dict[str, _Add] = {}
+        self._watchdog = Watchdog(step_timeout_s, self._hung)
+        self._dying = threading.Lock()
+        """Makes the death happen once, whether the thread or the watchdog sees it first."""
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name="brigade-engine", daemon=True)
         self.snapshot: EngineStats = engine.stats()
@@ -85,6 +102,10 @@ class AsyncEngine(RequestStreams):
         self._thread.start()
 
     # -- event-loop side ----------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the watchdog (on the server's event loop)."""
+        self._watchdog.start()
 
     def admit(
         self,
@@ -116,15 +137,23 @@ class AsyncEngine(RequestStreams):
         self._send(_AbortAll())
 
     def shutdown(self, timeout: float = 5.0) -> None:
-        """Stop the worker thread after its current step."""
+        """Stop the worker thread after its current step (no wait for a hung one)."""
         self._stopped = True
         self._commands.put(None)
         self._wake.set()
-        self._thread.join(timeout)
+        self._thread.join(timeout if self.dead is None else 0.0)
 
     def _send(self, command: _Add | _Abort | _AbortAll) -> None:
         self._commands.put(command)
         self._wake.set()
+
+    def _hung(self, silence_s: float) -> None:
+        """The watchdog's verdict: the thread's loop has not come round for the timeout."""
+        if self.dead is not None:  # it died on its own: the thread has ended
+            return
+        timeout = self._watchdog.timeout_s
+        report_hang(silence_s, timeout, "declared the engine failed (a thread cannot be stopped)")
+        self._die(no_progress(silence_s, timeout))
 
     # -- engine-thread side -------------------------------------------------------------
 
@@ -139,12 +168,13 @@ class AsyncEngine(RequestStreams):
 
     def _loop(self) -> None:
         engine = self.engine
-        while True:
+        while self.dead is None:  # set by the watchdog if a step hung: leave when it returns
+            self._watchdog.heard()
             if not self._drain_commands():
                 return
             if not engine.has_unfinished():
                 self.snapshot = engine.stats()  # aborts may have freed pages
-                self._wake.wait(timeout=0.5)
+                self._wake.wait(timeout=_IDLE_WAIT_S)
                 self._wake.clear()
                 continue
             for update in engine.step():
@@ -202,9 +232,14 @@ class AsyncEngine(RequestStreams):
             _put(stream, StepUpdate(request, [], None, True))
 
     def _die(self, reason: str) -> None:
-        self.dead = reason  # first: generate() checks it after sending
+        """Fail every stream and tell ``on_dead``, once: on the engine thread, or on the event
+        loop while the thread is stuck in a step (it leaves its loop if that step returns)."""
+        with self._dying:
+            if self.dead is not None:
+                return
+            self.dead = reason  # first: generate() checks it after sending
         error = EngineDeadError(f"the engine failed: {reason}")
-        for stream in self._streams.values():
+        for stream in list(self._streams.values()):
             _put(stream, error)
         self._streams.clear()
         while True:  # requests sent before `dead` was set are answered too

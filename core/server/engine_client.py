@@ -15,6 +15,11 @@ The engine's death is seen within a second: its process id is watched through a 
 (readable when the process exits, whoever its parent is); an :class:`EngineFailed` message
 says why when the engine died on its own terms. Every stream then ends with
 ``EngineDeadError``, :attr:`dead` is set and ``on_dead`` is called.
+
+A hung engine (alive, but stuck in one step) is made a dead one: when nothing has come from
+it for ``[server] engine_step_timeout_s`` (``brigade.server.liveness``), this front end kills
+it with SIGKILL, so every front end and the supervisor see it die as above; the reason names
+the silence and the key.
 """
 
 from __future__ import annotations
@@ -33,13 +38,12 @@ from brigade.errors import EngineDeadError, RequestError
 from brigade.interfaces import ExtraValue, PoolingParams, Request, RequestStatus, SamplingParams
 from brigade.sampling_stage import TokenLogprob
 from brigade.server import engine_protocol as wire
+from brigade.server.liveness import ProcessWatch, open_pidfd, process_alive
 from brigade.server.request_streams import RequestStreams
 
 __all__ = ["EngineClient"]
 
 _PROBE_POLL_MS = 200
-_POLL_ALIVE_S = 0.25
-"""Without pidfd support, how often the engine's process id is checked."""
 _LINGER_MS = 500
 """At shutdown, how long a last message (Goodbye) may take to leave."""
 
@@ -55,6 +59,7 @@ class EngineClient(RequestStreams):
         *,
         frontend: int,
         max_waiting_requests: int,
+        step_timeout_s: float = 0.0,
         on_dead: Callable[[str], None] | None = None,
     ) -> None:
         super().__init__(max_waiting_requests=max_waiting_requests, on_dead=on_dead)
@@ -67,19 +72,25 @@ class EngineClient(RequestStreams):
         self._context: zmq.asyncio.Context | None = None
         self._socket: zmq.asyncio.Socket | None = None
         self._receiver: asyncio.Task[None] | None = None
-        self._pidfd: int | None = None
-        self._watcher: asyncio.Task[None] | None = None
+        self._watch = ProcessWatch(info.pid, step_timeout_s, self._die, pending=self._unread)
 
     @classmethod
     def connect(
-        cls, address: str, engine_pid: int, *, frontend: int, max_waiting_requests: int
+        cls,
+        address: str,
+        engine_pid: int,
+        *,
+        frontend: int,
+        max_waiting_requests: int,
+        step_timeout_s: float = 0.0,
     ) -> EngineClient:
         """Wait until the engine at ``address`` is ready (it may be loading its model); raise
-        ``EngineDeadError`` if its process ``engine_pid`` exits first."""
+        ``EngineDeadError`` if its process ``engine_pid`` exits first. ``step_timeout_s``:
+        once started, kill the engine when it sends nothing for this long (0: never)."""
         context = zmq.Context()
         probe = context.socket(zmq.DEALER)
         probe.setsockopt(zmq.LINGER, 0)
-        pidfd = _open_pidfd(engine_pid)
+        pidfd = open_pidfd(engine_pid)
         try:
             probe.connect(address)
             probe.send(wire.encode(wire.Hello(frontend=-1)))
@@ -98,8 +109,9 @@ class EngineClient(RequestStreams):
                             address,
                             frontend=frontend,
                             max_waiting_requests=max_waiting_requests,
+                            step_timeout_s=step_timeout_s,
                         )
-                if (pidfd is not None and pidfd in events) or not _alive(engine_pid):
+                if (pidfd is not None and pidfd in events) or not process_alive(engine_pid):
                     raise EngineDeadError(
                         f"the engine process (pid {engine_pid}) exited while starting; its "
                         "output above says why"
@@ -124,11 +136,7 @@ class EngineClient(RequestStreams):
         self._socket = socket
         self._send(wire.Hello(frontend=self.frontend))
         self._receiver = loop.create_task(self._receive())
-        self._pidfd = _open_pidfd(self.info.pid)
-        if self._pidfd is not None:
-            loop.add_reader(self._pidfd, self._engine_exited)
-        else:
-            self._watcher = loop.create_task(self._poll_engine())
+        self._watch.start()
 
     def admit(
         self,
@@ -203,9 +211,7 @@ class EngineClient(RequestStreams):
         """Say goodbye (the engine aborts this front end's requests) and close the socket;
         the supervisor stops the engine once every front end has left."""
         self._stopped = True
-        if self._pidfd is not None:  # its event loop has closed, with its reader
-            os.close(self._pidfd)
-            self._pidfd = None
+        self._watch.close()  # its event loop has closed, with its reader
         if self._socket is None or self._context is None:
             return
         # The event loop has stopped: send through a blocking shadow of the same socket.
@@ -230,6 +236,7 @@ class EngineClient(RequestStreams):
                 data = await socket.recv()
             except (zmq.ZMQError, asyncio.CancelledError):
                 return
+            self._watch.heard()
             message = wire.decode_from_engine(data)
             if isinstance(message, wire.StepOutputs):
                 self.snapshot = message.stats
@@ -270,15 +277,10 @@ class EngineClient(RequestStreams):
         if update.finished:
             del self._streams[update.request_id]
 
-    async def _poll_engine(self) -> None:
-        while _alive(self.info.pid):
-            await asyncio.sleep(_POLL_ALIVE_S)
-        self._engine_exited()
-
-    def _engine_exited(self) -> None:
-        if self._pidfd is not None:
-            asyncio.get_running_loop().remove_reader(self._pidfd)
-        self._die(f"the engine process (pid {self.info.pid}) exited")
+    def _unread(self) -> bool:
+        """Messages from the engine wait on the socket (this event loop was busy)."""
+        socket = self._socket
+        return socket is not None and bool(int(socket.get(zmq.EVENTS)) & zmq.POLLIN)
 
     def _die(self, reason: str) -> None:
         if self.dead is not None:
@@ -290,24 +292,3 @@ class EngineClient(RequestStreams):
         self._streams.clear()
         if self.on_dead is not None:
             self.on_dead(reason)
-
-
-def _open_pidfd(pid: int) -> int | None:
-    """A descriptor that becomes readable when process ``pid`` exits (None without pidfd
-    support: Linux before 5.3, other systems; callers then poll :func:`_alive`)."""
-    if not hasattr(os, "pidfd_open"):
-        return None
-    try:
-        return os.pidfd_open(pid)
-    except OSError:
-        return None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -4,7 +4,10 @@ Every front end is a DEALER with its own identity. The loop reads every command 
 (without blocking while requests run), runs one step, and sends each front end ONE
 :class:`~brigade.server.engine_protocol.StepOutputs` with its requests' updates and the
 engine's counters; front ends without updates that step get the counters alone, at most every
-:data:`STATS_INTERVAL_S`. Grammars compile here (``EngineCore.admit``); an invalid one comes
+:data:`STATS_INTERVAL_S`. An idle loop publishes too, after each :data:`IDLE_POLL_MS` wait, so
+every front end hears from the engine at least every step or 0.1 s: the heartbeat whose
+silence a front end takes for a hung step (``[server] engine_step_timeout_s``,
+``brigade.server.liveness``). Grammars compile here (``EngineCore.admit``); an invalid one comes
 back as the request's first update with ``error`` and ``invalid`` set.
 
 The process ignores SIGINT (the supervisor decides when the engine stops), stops after its
@@ -47,7 +50,8 @@ logger = logging.getLogger(__name__)
 STATS_INTERVAL_S = 0.05
 """Counters-only messages to a front end with no updates are at most this frequent."""
 IDLE_POLL_MS = 100
-"""With nothing to run, how long the loop waits for a command before looking at signals."""
+"""With nothing to run, how long the loop waits for a command before looking at signals and
+sending the counters (the idle heartbeat)."""
 PARENT_POLL_S = 0.2
 
 
@@ -283,7 +287,8 @@ class EngineLoop:
     # -- outputs ------------------------------------------------------------------------
 
     def _publish(self, updates: list[StepUpdate]) -> None:
-        """One message per front end: its updates of the step, and the counters."""
+        """One message per front end: its updates of the step, and the counters (to a front
+        end without updates, when :data:`STATS_INTERVAL_S` has passed: its heartbeat)."""
         by_owner: dict[bytes, list[wire.RequestUpdate]] = {}
         for update in updates:
             request_id = update.request.request_id

@@ -239,6 +239,7 @@ def run_frontend_process(
                 engine_pid,
                 frontend=index,
                 max_waiting_requests=settings.max_waiting_requests,
+                step_timeout_s=settings.engine_step_timeout_s,
             )
             for address, engine_pid in zip(addresses, engine_pids, strict=True)
         ]

@@ -20,6 +20,7 @@ from brigade.server.async_engine import AsyncEngine
 from brigade.server.frontend import Frontend
 from brigade.server.http import GuardedH11Protocol, ThrottledWarnings
 from brigade.server.lifecycle import ABORT_GRACE_S, BrigadeServer
+from brigade.server.liveness import MIN_STEP_TIMEOUT_S
 from brigade.server.logs import configure_logging
 from brigade.server.metrics import ServerMetrics
 from brigade.server.ratelimit import RateLimiter
@@ -32,8 +33,11 @@ __all__ = ["build_state", "frontend_state", "run_http", "serve"]
 def build_state(config: EngineConfig, registry: Registry) -> ServerState:
     """Load the model and every component; start the engine thread (thread mode)."""
     engine = EngineCore(config, registry)
+    settings = config["server"].settings
     async_engine = AsyncEngine(
-        engine, max_waiting_requests=config["server"].settings.max_waiting_requests
+        engine,
+        max_waiting_requests=settings.max_waiting_requests,
+        step_timeout_s=settings.engine_step_timeout_s,
     )
     return frontend_state(config, registry, async_engine, engine.checkpoint)
 
@@ -89,6 +93,13 @@ def serve(config_path: str | None, overrides: list[str]) -> int:
             f"{config.source}: [router] data_parallel_size = {replicas} needs [server] "
             "engine_process = true (each replica is an engine process); set "
             "data_parallel_size = 1 or engine_process = true"
+        )
+    timeout = settings.engine_step_timeout_s
+    if 0 < timeout < MIN_STEP_TIMEOUT_S:
+        raise ConfigError(
+            f"{config.source}: [server] engine_step_timeout_s = {timeout:g} is too short "
+            "to tell a hung engine from a busy machine; use 0 (no timeout) or at least "
+            f"{MIN_STEP_TIMEOUT_S:g}"
         )
     # Take the port before loading the model: a busy port fails in a second, not a minute.
     sock = _listen(settings.host, settings.port)
