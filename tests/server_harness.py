@@ -117,6 +117,11 @@ def log_events(log: str, event: str) -> list[dict]:
     return [line for line in lines if line.get("event") == event]
 
 
+def frontends_that_answered(log: str) -> set[int]:
+    """The indexes of the front ends that finished a request, from a server's log."""
+    return {int(line["frontend"]) for line in log_events(log, "request_finished")}
+
+
 def completion(base: str, max_tokens: int = 4) -> int:
     """Tokens of a greedy completion of a 3-token prompt, on a fresh connection (the kernel
     hands each to any front end); the answer must be a 200."""

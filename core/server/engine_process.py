@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -41,6 +42,7 @@ __all__ = [
     "STATS_INTERVAL_S",
     "EngineLoop",
     "engine_threads",
+    "remove_from_run_dir",
     "run_engine_process",
     "watch_parent",
 ]
@@ -74,12 +76,20 @@ def watch_parent(parent_pid: int, leave: Callable[[], None] | None = None) -> No
 def remove_ipc_address(address: str) -> None:
     """Unlink an ``ipc://`` address's socket file, and its folder once empty when it is the
     supervisor's private run directory (``brigade-*``)."""
-    if not address.startswith("ipc://"):
-        return
-    path = Path(address.removeprefix("ipc://"))
-    path.unlink(missing_ok=True)
+    if address.startswith("ipc://"):
+        remove_from_run_dir(Path(address.removeprefix("ipc://")))
+
+
+def remove_from_run_dir(path: Path) -> None:
+    """Remove a file or folder, then its folder once empty when that is the supervisor's
+    private run directory (``brigade-*``). Every child that leaves behind a dead supervisor
+    removes what it owned this way: whichever leaves last removes the run directory."""
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
     if path.parent.name.startswith("brigade-"):
-        with contextlib.suppress(OSError):  # another replica's socket is still there
+        with contextlib.suppress(OSError):  # another child's part is still there
             path.parent.rmdir()
 
 

@@ -7,12 +7,23 @@ names with its ``model_name`` and ``engine`` labels (``[server] metrics_names``)
 
 Labelled children are bound once in the constructor, so an ``observe_*`` call only updates
 pre-bound objects (no label lookup, no allocation) and is cheap enough to run once per token.
+
+With several front-end processes (``[server] api_server_count`` > 1) each observes the
+requests it serves and a scrape lands on any of them, so each is started with
+:data:`MULTIPROCESS_ENV` naming the server's private metrics directory (prometheus_client's
+multiprocess mode, which a process picks when it first imports prometheus_client) and
+:meth:`ServerMetrics.render` serves the sum of what they all wrote there. The engine's figures,
+which every front end receives alike, are counted once (:meth:`ServerMetrics.observe_engine`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import contextlib
+import fcntl
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, Final
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -22,10 +33,11 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
 from brigade.interfaces import STRUCTURED_OUTPUT_KINDS
 
-__all__ = ["FINISH_REASONS", "METRIC_NAMES", "ServerMetrics"]
+__all__ = ["FINISH_REASONS", "METRIC_NAMES", "MULTIPROCESS_ENV", "ServerMetrics", "forget_process"]
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 """Values of the ``finished_reason`` label (the terminal ``RequestStatus`` values, and
@@ -63,6 +75,16 @@ METRIC_NAMES = ("brigade", "vllm", "both")
 """``[server] metrics_names``: Brigade's names, vLLM's, or both side by side."""
 VLLM_ENGINE = "0"
 """The ``engine`` label vLLM puts on every series (one engine per server here)."""
+MULTIPROCESS_ENV: Final = "PROMETHEUS_MULTIPROC_DIR"
+"""Where prometheus_client's multiprocess mode keeps every process's series; it must be in a
+process's environment before prometheus_client is imported there."""
+GAUGE_MODE: Final = "livemostrecent"
+"""How front ends' gauges combine in multiprocess mode. They hold the engine's state, which
+every front end receives alike and sets when it is scraped: the value set last is the current
+one (summing would count the engine once per front end). "live": a front end that exits takes
+its gauges along (:func:`forget_process`). A process of its own ignores it."""
+ENGINE_TOTALS = ("prefix_cache_queries_total", "prefix_cache_hits_total", "num_preemptions_total")
+"""The counters fed from the engine's running totals (:meth:`ServerMetrics.observe_engine`)."""
 
 
 class _Series:
@@ -95,14 +117,36 @@ class ServerMetrics:
     ``names`` picks the names: ``brigade`` (``brigade:*``, label ``model_name``), ``vllm``
     (vLLM's ``vllm:*`` names with its ``model_name`` and ``engine`` labels, so dashboards built
     for vLLM work unchanged) or ``both``.
+
+    ``multiprocess_dir``: this process is one of several front ends of one server, all started
+    with :data:`MULTIPROCESS_ENV` set to this directory (one ``ServerMetrics`` per process).
+    :meth:`render` then answers for the whole server: counters and histograms summed over the
+    front ends, gauges as last set by any live one (:data:`GAUGE_MODE`). Without it the series
+    are this object's alone, and several servers in one process never clash.
     """
 
-    def __init__(self, model_name: str, *, names: str = "brigade") -> None:
+    def __init__(
+        self, model_name: str, *, names: str = "brigade", multiprocess_dir: str | None = None
+    ) -> None:
         if names not in METRIC_NAMES:
             raise ValueError(f"metric names {names!r}: expected one of {METRIC_NAMES}")
+        if multiprocess_dir is not None and os.environ.get(MULTIPROCESS_ENV) != multiprocess_dir:
+            raise RuntimeError(
+                f"metrics shared in {multiprocess_dir}: start this process with "
+                f"{MULTIPROCESS_ENV}={multiprocess_dir} (prometheus_client reads it on import)"
+            )
         self.model_name = model_name
+        self.multiprocess_dir = multiprocess_dir
         self.registry = CollectorRegistry(auto_describe=True)
+        """This process's series (only this process's, with ``multiprocess_dir``)."""
         registry = self.registry
+        self._exposed = registry
+        """What :meth:`render` serves."""
+        if multiprocess_dir is not None:
+            # A registry of its own: the series above are in the directory already, and
+            # registering them here as well would serve them twice.
+            self._exposed = CollectorRegistry()
+            MultiProcessCollector(self._exposed, path=multiprocess_dir)
         self._flavours: list[tuple[str, list[str], list[str]]] = []
         """(prefix, label names, label values) of each configured naming."""
         if names in ("brigade", "both"):
@@ -122,7 +166,7 @@ class ServerMetrics:
             return make(Histogram, name, doc, buckets=buckets)
 
         def gauge(name: str, doc: str) -> _Series:
-            return make(Gauge, name, doc)
+            return make(Gauge, name, doc, multiprocess_mode=GAUGE_MODE)
 
         def counter(name: str, doc: str) -> _Series:
             return make(Counter, name, doc)
@@ -194,6 +238,7 @@ class ServerMetrics:
                         "Fraction of KV pages in use (vLLM's older name of kv_cache_usage_perc).",
                         ["model_name", "engine"],
                         registry=registry,
+                        multiprocess_mode=GAUGE_MODE,
                     ).labels(model_name, VLLM_ENGINE)
                 ]
             )
@@ -234,10 +279,10 @@ class ServerMetrics:
             "grammar_errors_total",
             "Requests refused because their schema, regex or grammar was invalid.",
         )
-        # Previous cumulative engine totals; the counters advance by the difference.
-        self._last_prefix_queries = 0
-        self._last_prefix_hits = 0
-        self._last_preemptions = 0
+        self._engine_totals = (self._prefix_queries, self._prefix_hits, self._preemptions)
+        """The counters of :data:`ENGINE_TOTALS`, in that order."""
+        self._last_totals: Sequence[float] = (0, 0, 0)
+        """The engine's totals at the previous :meth:`observe_engine` (one process)."""
 
     def observe_first_token(self, ttft_s: float, queue_time_s: float) -> None:
         """Record a request's time to first token and the time it spent queued before it."""
@@ -308,6 +353,7 @@ class ServerMetrics:
                 "The plugin of each station (value is always 1).",
                 [*labels, *names],
                 registry=self.registry,
+                multiprocess_mode=GAUGE_MODE,
             )
             info.labels(*values, *(components[n] for n in names)).set(1)
 
@@ -328,22 +374,61 @@ class ServerMetrics:
         means the engine was replaced (its totals restarted): that call adds nothing and the new
         total becomes the baseline, so a counter never goes backwards. What the new engine counted
         before its first snapshot is lost, which keeps a stray low value from being counted twice.
+
+        With ``multiprocess_dir`` the previous total is what all front ends have counted
+        together, so the server's counter is the highest total any of them has reported, however
+        many they are. A lower total is then a snapshot a moment older than one already counted
+        (in process mode the engine's totals never restart), and adds nothing.
         """
         self._num_running.set(num_running)
         self._num_waiting.set(num_waiting)
         usage = min(max(kv_usage, 0.0), 1.0)
         self._kv_usage.set(usage)
         self._gpu_cache_usage.set(usage)
-        if prefix_cache_queries > self._last_prefix_queries:
-            self._prefix_queries.inc(prefix_cache_queries - self._last_prefix_queries)
-        if prefix_cache_hits > self._last_prefix_hits:
-            self._prefix_hits.inc(prefix_cache_hits - self._last_prefix_hits)
-        if num_preemptions > self._last_preemptions:
-            self._preemptions.inc(num_preemptions - self._last_preemptions)
-        self._last_prefix_queries = prefix_cache_queries
-        self._last_prefix_hits = prefix_cache_hits
-        self._last_preemptions = num_preemptions
+        totals = (prefix_cache_queries, prefix_cache_hits, num_preemptions)
+        directory = self.multiprocess_dir
+        if directory is None:
+            self._advance_engine_totals(totals, self._last_totals)
+            self._last_totals = totals
+            return
+        # Locked: two front ends scraped at once would both add the same increase.
+        with _locked(Path(directory) / "engine-totals.lock"):
+            self._advance_engine_totals(totals, self._counted_by_all(directory))
+
+    def _advance_engine_totals(self, totals: Sequence[int], counted: Sequence[float]) -> None:
+        for counter, total, seen in zip(self._engine_totals, totals, counted, strict=True):
+            if total > seen:
+                counter.inc(total - seen)
+
+    def _counted_by_all(self, directory: str) -> list[float]:
+        """:data:`ENGINE_TOTALS` as counted by every front end together (under the first
+        naming; the others advance alike)."""
+        prefix, labels, values = self._flavours[0]
+        ours = dict(zip(labels, values, strict=True))
+        counted = {
+            sample.name: sample.value
+            for family in MultiProcessCollector(None, path=directory).collect()
+            if family.type == "counter"
+            for sample in family.samples
+            if sample.labels == ours
+        }
+        return [counted.get(prefix + name, 0.0) for name in ENGINE_TOTALS]
 
     def render(self) -> tuple[bytes, str]:
-        """The exposition body of this registry and its HTTP content type."""
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        """The exposition body and its HTTP content type: this registry's series, or with
+        ``multiprocess_dir`` the whole server's."""
+        return generate_latest(self._exposed), CONTENT_TYPE_LATEST
+
+
+def forget_process(multiprocess_dir: str, pid: int) -> None:
+    """Drop the gauges of front end ``pid``, which has exited; what it counted (counters,
+    histograms) stays in the server's totals."""
+    mark_process_dead(pid, multiprocess_dir)
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive lock on ``path`` (created if missing) among processes."""
+    with path.open("a") as file:
+        fcntl.flock(file, fcntl.LOCK_EX)
+        yield  # closing the file releases the lock

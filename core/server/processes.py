@@ -5,7 +5,9 @@ The process started by ``brigade serve`` binds the port, then supervises (it ser
 - one engine process (``brigade.server.engine_process``), the ZMQ ROUTER at an ``ipc://``
   socket in a private temporary directory;
 - ``[server] api_server_count`` front-end processes, each a uvicorn server accepting on the
-  inherited listening socket (one port, one accept queue) with an ``EngineClient``.
+  inherited listening socket (one port, one accept queue) with an ``EngineClient``. With more
+  than one, their metrics meet in a ``metrics`` folder of the run directory, so that every
+  front end's ``/metrics`` answers for the whole server (``brigade.server.metrics``).
 
 All are started with ``multiprocessing``'s spawn method, in their own process groups so that
 a terminal's Ctrl-C reaches the supervisor alone, which forwards SIGINT/SIGTERM to the front
@@ -19,6 +21,7 @@ its children's (1 when the engine or a front end died).
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -28,14 +31,17 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
 import structlog
 
-from brigade.server.engine_process import run_engine_process, watch_parent
+from brigade.server.engine_process import remove_from_run_dir, run_engine_process, watch_parent
 from brigade.server.lifecycle import DEAD_LINGER_S, EXIT_ENGINE_DEAD, EXIT_OK, EXIT_STARTUP_ERROR
+from brigade.server.metrics import MULTIPROCESS_ENV, forget_process
 
 if TYPE_CHECKING:
     from brigade.config import EngineConfig
@@ -63,6 +69,10 @@ def supervise(
     context = multiprocessing.get_context("spawn")
     rundir = tempfile.mkdtemp(prefix="brigade-")
     addresses = [f"ipc://{rundir}/engine-{replica}" for replica in range(num_replicas)]
+    metrics_dir = None  # one front end: its own registry is the server's
+    if settings.api_server_count > 1:
+        metrics_dir = os.path.join(rundir, "metrics")
+        os.mkdir(metrics_dir)
     me = os.getpid()
     engines: list[BaseProcess] = [
         context.Process(
@@ -78,22 +88,26 @@ def supervise(
         for engine in engines:
             engine.start()
         pids = [engine.pid for engine in engines]
-        for index in range(settings.api_server_count):
-            frontend = context.Process(
-                target=run_frontend_process,
-                args=(config_path, overrides, index, sock, addresses, pids, me),
-                name=f"brigade-frontend-{index}",
-            )
-            frontend.start()
-            frontends.append(frontend)
+        # Spawn copies this environment as each front end starts, before it imports anything
+        # (one front end: the variable unset, whatever the supervisor's environment says).
+        with _environment(MULTIPROCESS_ENV, metrics_dir):
+            for index in range(settings.api_server_count):
+                frontend = context.Process(
+                    target=run_frontend_process,
+                    args=(config_path, overrides, index, sock, addresses, pids, me, metrics_dir),
+                    name=f"brigade-frontend-{index}",
+                )
+                frontend.start()
+                frontends.append(frontend)
         sock.close()  # the front ends hold their own copies
         log.info(
             "processes_started",
             engine_pids=pids,
             frontend_pids=[p.pid for p in frontends],
             addresses=addresses,
+            metrics_dir=metrics_dir,
         )
-        return Supervisor(engines, frontends).run()
+        return Supervisor(engines, frontends, metrics_dir).run()
     finally:
         for process in [*frontends, *engines]:
             if process.is_alive():  # only after a failure in this function itself
@@ -102,14 +116,35 @@ def supervise(
         shutil.rmtree(rundir, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def _environment(name: str, value: str | None) -> Iterator[None]:
+    """The environment variable ``name`` set to ``value`` (None: unset) inside, as before after."""
+    previous = os.environ.pop(name, None)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        os.environ.pop(name, None)
+        if previous is not None:
+            os.environ[name] = previous
+
+
 class Supervisor:
     """Waits on its children's sentinels; forwards signals; decides the exit status. An
     engine replica that exits while others run is logged (the front ends take it out of
-    rotation); the last one's exit stops the server."""
+    rotation); the last one's exit stops the server. A front end that exits leaves the
+    shared metrics (``metrics_dir``) with its counts but without its gauges."""
 
-    def __init__(self, engines: list[BaseProcess], frontends: list[BaseProcess]) -> None:
+    def __init__(
+        self,
+        engines: list[BaseProcess],
+        frontends: list[BaseProcess],
+        metrics_dir: str | None = None,
+    ) -> None:
         self.engines = engines
         self.frontends = frontends
+        self.metrics_dir = metrics_dir
         self.exit_code = EXIT_OK
         self._stopping = False
         self._failed = False
@@ -147,6 +182,8 @@ class Supervisor:
             for index, process in enumerate(self.frontends):
                 if process.exitcode is not None and index not in reported:
                     reported.add(index)
+                    if self.metrics_dir is not None and process.pid is not None:
+                        forget_process(self.metrics_dir, process.pid)
                     self._frontend_exited(index, process.exitcode)
             if self._kill_deadline is not None and time.monotonic() > self._kill_deadline:
                 for process in self.frontends:
@@ -207,11 +244,17 @@ def run_frontend_process(
     addresses: list[str],
     engine_pids: list[int],
     parent_pid: int,
+    metrics_dir: str | None = None,
 ) -> None:
     """A front end's entry (``multiprocessing`` spawn target): HTTP on ``sock``, requests to
-    the engine at ``addresses[0]``, or routed over the replicas at ``addresses``."""
+    the engine at ``addresses[0]``, or routed over the replicas at ``addresses``; its metrics
+    shared with the other front ends in ``metrics_dir``, which the supervisor put in this
+    process's environment (``brigade.server.metrics``)."""
     os.setpgrp()  # signals come from the supervisor, not from the terminal
-    watch_parent(parent_pid)
+    if metrics_dir is None:
+        watch_parent(parent_pid)
+    else:  # what the supervisor would have removed
+        watch_parent(parent_pid, leave=lambda: remove_from_run_dir(Path(metrics_dir)))
     from brigade.assemble import open_model
     from brigade.config import load_config
     from brigade.errors import BrigadeError, EngineDeadError
@@ -257,5 +300,5 @@ def run_frontend_process(
             RouterParams(len(clients), info.page_size, info.num_pages), config["router"].options
         )
         streams = ReplicatedEngine(clients, router)  # type: ignore[assignment]
-    state = frontend_state(config, registry, streams, checkpoint)
+    state = frontend_state(config, registry, streams, checkpoint, metrics_dir=metrics_dir)
     sys.exit(run_http(state, config, sock, announce=index == 0))

@@ -47,9 +47,12 @@ def frontend_state(
     registry: Registry,
     engine: RequestStreams,
     checkpoint: Checkpoint | None = None,
+    *,
+    metrics_dir: str | None = None,
 ) -> ServerState:
     """What the HTTP handlers share, over ``engine`` (a thread or a process); the tokenizer is
-    read from ``checkpoint`` (opened here when not given: it reads no weights)."""
+    read from ``checkpoint`` (opened here when not given: it reads no weights). With several
+    front-end processes, ``metrics_dir`` is where their metrics meet (``ServerMetrics``)."""
     settings = config["server"].settings
     checkpoint = checkpoint or open_model(config)
     tokenizer = require_tokenizer(checkpoint)
@@ -57,7 +60,7 @@ def frontend_state(
         tokenizer, config["detokenizer"].options
     )
     model_name = settings.served_model_name or checkpoint.name
-    metrics = ServerMetrics(model_name, names=settings.metrics_names)
+    metrics = ServerMetrics(model_name, names=settings.metrics_names, multiprocess_dir=metrics_dir)
     metrics.set_components(config.components)
     return ServerState(
         async_engine=engine,

@@ -1,11 +1,18 @@
-"""Prometheus metrics: names, labels, histograms and counters fed from engine totals."""
+"""Prometheus metrics: names, labels, histograms and counters fed from engine totals; several
+front-end processes adding up their series in one directory."""
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from brigade.server.metrics import FINISH_REASONS, ServerMetrics
+from brigade.server.metrics import FINISH_REASONS, MULTIPROCESS_ENV, ServerMetrics, forget_process
 
 MODEL = "tiny-llama"
 LABEL = {"model_name": MODEL}
@@ -163,3 +170,126 @@ def test_lower_totals_are_a_reset_that_adds_nothing_and_rebases() -> None:
     assert value(metrics, "brigade:prefix_cache_queries_total") == 520
     assert value(metrics, "brigade:prefix_cache_hits_total") == 215
     assert value(metrics, "brigade:num_preemptions_total") == 7
+
+
+# -- several front-end processes sharing one directory (prometheus_client multiprocess mode) --
+
+FRONT_END = """
+import json, os, sys
+from brigade.server.metrics import ServerMetrics
+metrics = ServerMetrics("tiny-llama", names="both", multiprocess_dir=sys.argv[1])
+metrics.set_components({"scheduler": "fcfs"})
+for method, args in json.loads(sys.argv[2]):
+    getattr(metrics, method)(*args)
+print(json.dumps({"pid": os.getpid(), "text": metrics.render()[0].decode()}))
+"""
+
+
+def front_end(directory: Path, *calls: tuple[str, list[object]]) -> tuple[int, str]:
+    """Run ``calls`` on the ``ServerMetrics`` of a new process sharing ``directory``, as a front
+    end of a server with several does; its pid and its ``render()``."""
+    result = subprocess.run(
+        [sys.executable, "-c", FRONT_END, str(directory), json.dumps(calls)],
+        env={**os.environ, MULTIPROCESS_ENV: str(directory)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    answer = json.loads(result.stdout)
+    return answer["pid"], answer["text"]
+
+
+def parsed(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    found: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            found.setdefault(sample.name, []).append((sample.labels, sample.value))
+    return found
+
+
+def only(found: dict[str, list[tuple[dict[str, str], float]]], name: str, **labels: str) -> float:
+    rows = [value for got, value in found[name] if got == {**LABEL, **labels}]
+    assert len(rows) == 1, (name, found[name])
+    return rows[0]
+
+
+@pytest.fixture(scope="module")
+def two_front_ends(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """What the second of two front ends serves: each finished one request and saw the engine."""
+    directory = tmp_path_factory.mktemp("shared")
+    front_end(
+        directory,
+        ("observe_first_token", [0.05, 0.01]),
+        ("observe_finished", [3, 4, 1.0, "stop"]),
+        ("observe_engine", [3, 1, 0.5, 100, 40, 1]),
+    )
+    _, text = front_end(
+        directory,
+        ("observe_first_token", [0.2, 0.02]),
+        ("observe_finished", [5, 2, 2.0, "length"]),
+        ("observe_engine", [2, 0, 0.25, 120, 50, 2]),
+    )
+    return text
+
+
+def test_front_ends_sharing_a_directory_serve_the_servers_totals(two_front_ends: str) -> None:
+    found = parsed(two_front_ends)
+    for prefix, engine_label in (("brigade:", {}), ("vllm:", {"engine": "0"})):
+        assert (
+            only(found, f"{prefix}request_success_total", finished_reason="stop", **engine_label)
+            == 1
+        )
+        assert (
+            only(found, f"{prefix}request_success_total", finished_reason="length", **engine_label)
+            == 1
+        )
+        assert only(found, f"{prefix}time_to_first_token_seconds_count", **engine_label) == 2
+        assert (
+            only(found, f"{prefix}time_to_first_token_seconds_bucket", le="0.1", **engine_label)
+            == 1
+        )
+        assert only(found, f"{prefix}prompt_tokens_total", **engine_label) == 8
+        assert only(found, f"{prefix}generation_tokens_total", **engine_label) == 6
+        # The engine's state and totals reach every front end alike: never added up.
+        assert only(found, f"{prefix}num_requests_running", **engine_label) == 2  # the latest
+        assert only(found, f"{prefix}kv_cache_usage_perc", **engine_label) == 0.25
+        assert only(found, f"{prefix}prefix_cache_queries_total", **engine_label) == 120
+        assert only(found, f"{prefix}prefix_cache_hits_total", **engine_label) == 50
+        assert only(found, f"{prefix}num_preemptions_total", **engine_label) == 2
+        assert only(found, f"{prefix}engine_info", scheduler="fcfs", **engine_label) == 1
+
+
+def test_shared_series_keep_the_names_labels_and_help_of_one_process(two_front_ends: str) -> None:
+    alone = ServerMetrics(MODEL, names="both")
+    alone.set_components({"scheduler": "fcfs"})
+
+    def shape(text: str) -> tuple[set[tuple[str, str, str]], set[tuple[str, tuple[str, ...]]]]:
+        families = [
+            family
+            for family in text_string_to_metric_families(text)
+            if not family.name.endswith("_created")  # a single process's creation times
+        ]
+        described = {(f.name, f.type, f.documentation) for f in families}
+        samples = {(s.name, tuple(sorted(s.labels))) for f in families for s in f.samples}
+        return described, samples
+
+    assert shape(two_front_ends) == shape(alone.render()[0].decode())
+
+
+def test_a_front_end_that_exited_takes_its_gauges_but_not_its_counts(tmp_path: Path) -> None:
+    front_end(tmp_path, ("observe_engine", [3, 1, 0.5, 0, 0, 0]))
+    exited, _ = front_end(
+        tmp_path,
+        ("observe_finished", [5, 2, 2.0, "length"]),
+        ("observe_engine", [2, 0, 0.25, 0, 0, 0]),
+    )
+    forget_process(str(tmp_path), exited)
+    found = parsed(front_end(tmp_path)[1])
+    assert only(found, "brigade:num_requests_running") == 3  # the live front end's
+    assert only(found, "brigade:request_success_total", finished_reason="length") == 1
+
+
+def test_a_shared_directory_needs_the_environment_set_before_import(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match=f"start this process with {MULTIPROCESS_ENV}="):
+        ServerMetrics(MODEL, multiprocess_dir=str(tmp_path))

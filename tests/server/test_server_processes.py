@@ -22,6 +22,7 @@ import pytest
 from server_harness import (
     completion,
     free_port,
+    frontends_that_answered,
     log_events,
     running_server,
     server_log,
@@ -48,10 +49,6 @@ def pids(log: str) -> tuple[int, list[int]]:
     """The engine's and the front ends' process ids, from the supervisor's log line."""
     line = log_events(log, "processes_started")[0]
     return int(line["engine_pids"][0]), [int(pid) for pid in line["frontend_pids"]]
-
-
-def frontends_that_answered(log: str) -> set[int]:
-    return {int(line["frontend"]) for line in log_events(log, "request_finished")}
 
 
 def test_two_front_ends_serve_concurrent_requests_on_one_port(
