@@ -182,6 +182,7 @@ class ReadAhead {
 // vector extensions, so AVX/AVX-512/NEON as the CPU has) take vector loops that walk each row
 // page by page (the page and slot arithmetic once per page, not per key), load each key and
 // value once for all query heads of its KV head, and widen bfloat16 as it is loaded.
+
 // Calls visit(offset, next, t0, n) once per page of positions [first, length) of a row whose
 // pages are `pages`: the page's keys t0 .. t0 + n - 1 start at element `offset` of the cache,
 // and the next page's at `next` (-1 on the last page), for prefetching.
