@@ -174,9 +174,14 @@ class ProcessWatch:
         if self._pidfd is not None:
             asyncio.get_running_loop().remove_reader(self._pidfd)
         reason = f"the engine process (pid {self.pid}) exited"
-        silence = self.watchdog.silence_s
-        if silence >= MIN_STEP_TIMEOUT_S:  # beyond any heartbeat's gap: it was stuck (and
-            reason += f" after it made no progress for {silence:.1f} s"  # another killed it)
+        silence, timeout = self.watchdog.silence_s, self.watchdog.timeout_s
+        if silence >= MIN_STEP_TIMEOUT_S:  # beyond any heartbeat's gap: it was stuck, and
+            # most likely another front end's watchdog, a moment ahead of ours, killed it
+            reason += (
+                f" after {no_progress(silence, timeout)}"
+                if timeout > 0
+                else f" after it made no progress for {silence:.1f} s"
+            )
         self._end(reason)
 
     def _hung(self, silence_s: float) -> None:
