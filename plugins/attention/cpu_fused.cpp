@@ -40,6 +40,9 @@
 at::Tensor paged_decode(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
                         at::Tensor block_tables, at::Tensor seq_lens, int64_t window,
                         double scale, bool cascade);
+// cpu_gemm.cpp
+at::Tensor panel_linear(at::Tensor x, at::Tensor panels, std::optional<at::Tensor> bias,
+                        int64_t out_features);
 
 namespace {
 
@@ -220,11 +223,16 @@ std::tuple<at::Tensor, at::Tensor> rope(at::Tensor q, at::Tensor k, at::Tensor c
   return out;
 }
 
-// The model's linear layer as the eager forward runs it: oneDNN's matmul (``CpuLinear``, on a
-// packed or dense weight) or F.linear (a plain ``nn.Linear``).
+// How decode_layers runs the model's linear layers (``CpuDecodeLayers`` passes it).
+enum Gemm : int64_t { kPlain = 0, kOneDnn = 1, kPanels = 2 };
+
+// The model's linear layer as the eager forward runs it: Brigade's panel GEMM or oneDNN's
+// matmul (``CpuLinear``, on panels, a packed or a dense weight), or F.linear (a plain
+// ``nn.Linear``). out_features: the layer's width (panels are padded to whole vectors).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
-                  const std::optional<at::Tensor>& bias, bool onednn) {
-  if (!onednn) return at::linear(x, weight, bias);
+                  const std::optional<at::Tensor>& bias, int64_t gemm, int64_t out_features) {
+  if (gemm == kPanels) return panel_linear(x, weight, bias, out_features);
+  if (gemm == kPlain) return at::linear(x, weight, bias);
   static const c10::OperatorHandle op =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   const at::Tensor flat = x.is_contiguous() ? x : x.contiguous();
@@ -254,20 +262,24 @@ at::Tensor decode_layers(at::Tensor hidden, at::Tensor cos, at::Tensor sin,
                          std::vector<at::Tensor> weights,
                          c10::List<std::optional<at::Tensor>> biases, std::vector<int64_t> windows,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
-                         double scale, bool onednn, bool cascade) {
+                         double scale, int64_t gemm, bool cascade) {
   const int64_t num_layers = static_cast<int64_t>(key_caches.size());
   TORCH_CHECK(value_caches.size() == key_caches.size() &&
                   static_cast<int64_t>(weights.size()) == 6 * num_layers &&
                   static_cast<int64_t>(biases.size()) == 4 * num_layers &&
                   static_cast<int64_t>(windows.size()) == num_layers,
               "decode_layers: per-layer lists of mismatched lengths");
-  const int64_t tokens = hidden.size(0);
+  TORCH_CHECK(gemm == kPlain || gemm == kOneDnn || gemm == kPanels,
+              "decode_layers: gemm must be 0 (F.linear), 1 (oneDNN) or 2 (panels)");
+  const int64_t tokens = hidden.size(0), hidden_size = hidden.size(1);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   for (int64_t l = 0; l < num_layers; ++l) {
     const at::Tensor* w = weights.data() + 6 * l;
     const auto bias = [&](int64_t i) -> std::optional<at::Tensor> { return biases.get(4 * l + i); };
     const at::Tensor normed = rms_norm(hidden, w[0], eps);
-    const at::Tensor qkv = linear(normed, w[1], bias(0), onednn);
+    // The MLP's width, down_proj's input (panels: [panels, in, lanes]; only they need it).
+    const int64_t intermediate = gemm == kPanels ? w[5].size(1) : 0;
+    const at::Tensor qkv = linear(normed, w[1], bias(0), gemm, q_size + 2 * kv_size);
     const at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
     const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim});
     const at::Tensor v =
@@ -282,10 +294,11 @@ at::Tensor decode_layers(at::Tensor hidden, at::Tensor cos, at::Tensor sin,
     const at::Tensor attention =
         paged_decode(q_rot, key_cache, value_cache, block_tables, seq_lens, windows[l], scale,
                      cascade);
-    const at::Tensor delta = linear(attention.view({tokens, q_size}), w[2], bias(1), onednn);
+    const at::Tensor delta =
+        linear(attention.view({tokens, q_size}), w[2], bias(1), gemm, hidden_size);
     auto [summed, post] = add_rms_norm(hidden, delta, w[3], eps);
-    const at::Tensor gate_up = linear(post, w[4], bias(2), onednn);
-    hidden = at::add(summed, linear(silu_mul(gate_up), w[5], bias(3), onednn));
+    const at::Tensor gate_up = linear(post, w[4], bias(2), gemm, 2 * intermediate);
+    hidden = at::add(summed, linear(silu_mul(gate_up), w[5], bias(3), gemm, hidden_size));
   }
   return hidden;
 }

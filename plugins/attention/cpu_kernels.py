@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 _SOURCES = tuple(
     Path(__file__).with_name(name)
     for name in ("cpu_paged.cpp", "cpu_cascade.cpp", "cpu_prefill.cpp", "cpu_fused.cpp")
-)
+) + (Path(__file__).parent.parent / "executors" / "cpu_gemm.cpp",)
 _HEADERS = tuple(
     Path(__file__).with_name(name)
     for name in (

@@ -1,22 +1,28 @@
-"""oneDNN GEMMs for a model's linear layers on a CPU, on weights prepacked at load.
+"""Brigade's GEMMs for a model's linear layers on a CPU, on weights packed once at load.
 
-``F.linear`` on a CPU in float32 calls MKL's sgemm. oneDNN's matmul
-(``torch.ops.mkldnn._linear_pointwise``) is faster at the shapes of small decoders, and faster
-again on a weight reordered once into the blocked layout its kernels read for this CPU
-(``torch.ops.mkldnn._reorder_linear_weight``), which otherwise it reorders at every call: over
-SmolLM2's 30 layers and LM head at 32 rows, 29.2 ms packed against 37.4 ms on the dense weight
-in float32 and 16.1 against 21.6 ms in bfloat16 (AVX-512 with BF16; docs/benchmarks.md).
+``F.linear`` on a CPU in float32 calls MKL's sgemm. Two faster paths:
+
+- ``panels`` (the default): Brigade's own float32 kernel (``cpu_gemm.cpp``) on the weight
+  packed into column panels, one vector of output columns each, k-major. Per step each weight
+  vector is read once and feeds one FMA per row of the batch, so at decode batch sizes, where
+  a layer is mostly a read of its weight, it streams at the memory's speed: on SmolLM2's
+  shapes (AVX-512, 2 threads) 1.6-2.8x oneDNN's packed GEMM at one row, 1.1-1.4x at 8-32 rows,
+  level at 128-512 (docs/benchmarks.md). bfloat16 weights take oneDNN's packed path.
+- ``packed``: oneDNN's matmul (``torch.ops.mkldnn._linear_pointwise``) on the weight
+  reordered once into the blocked layout its kernels read for this CPU
+  (``torch.ops.mkldnn._reorder_linear_weight``), as vLLM-CPU does; ``onednn`` runs it on the
+  weight as loaded (reordered at every call).
 
 :func:`use_cpu_linears` swaps every ``nn.Linear`` of a model for a :class:`CpuLinear`, a
-module swap (as ``torch.ao`` quantization does). In ``packed`` mode the packed copy replaces
-the dense weight (as vLLM-CPU does), so memory stays as it was; ``onednn`` keeps the weight
-as loaded.
+module swap (as ``torch.ao`` quantization does). The packed copy replaces the dense weight, so
+memory stays as it was; ``onednn`` keeps the weight as loaded.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -27,14 +33,15 @@ __all__ = [
     "onednn_linear",
     "onednn_usable",
     "pack_weight",
+    "panels_usable",
     "use_cpu_linears",
 ]
 
 logger = logging.getLogger(__name__)
 
-CPU_LINEAR_MODES = ("packed", "onednn", "plain")
-"""``[executor] cpu_linear``: oneDNN on prepacked weights, oneDNN on the weights as loaded,
-or ``F.linear``."""
+CPU_LINEAR_MODES = ("panels", "packed", "onednn", "plain")
+"""``[executor] cpu_linear``: Brigade's kernel on column panels (float32; bfloat16 as
+``packed``), oneDNN on prepacked weights, oneDNN on the weights as loaded, or ``F.linear``."""
 PACK_ROWS = 32
 """The row count oneDNN chooses the packed layout for: a decode batch. Measured best or level
 with packing for 1 or 512 rows at 1, 32 and 512 rows (docs/benchmarks.md)."""
@@ -79,37 +86,64 @@ def onednn_linear(
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-class CpuLinear(nn.Module):
-    """A linear layer through oneDNN on its own (``packed``) or the loaded weight."""
+def panels_usable() -> bool:
+    """Whether Brigade's panel GEMM is built here (the CPU kernels compile)."""
+    return _panel_ops() is not None
 
-    def __init__(self, linear: nn.Linear, packed: bool) -> None:
+
+def _panel_ops() -> Any:
+    from brigade.plugins.attention.cpu_kernels import cpu_ops
+
+    return cpu_ops()
+
+
+class CpuLinear(nn.Module):
+    """A linear layer on one of the CPU GEMMs, by ``layout``: ``panels`` (Brigade's kernel,
+    float32), ``packed`` (oneDNN on its own layout) or ``dense`` (oneDNN on the loaded
+    weight)."""
+
+    def __init__(self, linear: nn.Linear, layout: str) -> None:
         super().__init__()
+        if layout not in ("panels", "packed", "dense"):
+            raise ValueError(f"layout {layout!r} is not one of 'panels', 'packed', 'dense'")
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.bias = linear.bias
-        self.packed: torch.Tensor | None = pack_weight(linear.weight) if packed else None
-        """The weight in oneDNN's layout (the dense one is dropped), or None."""
-        self.weight = None if packed else linear.weight  # shared: the checkpoint filled it
+        self.layout = layout
+        self.packed: torch.Tensor | None = None
+        """The weight in the kernel's layout (the dense one is dropped), or None (dense)."""
+        if layout == "panels":
+            self.packed = _panel_ops().pack_panels(linear.weight.detach())
+        elif layout == "packed":
+            self.packed = pack_weight(linear.weight)
+        self.weight = None if self.packed is not None else linear.weight  # the checkpoint's
 
     @property
     def gemm_weight(self) -> torch.Tensor:
-        """What oneDNN reads: the packed weight, or the dense one."""
+        """What the GEMM reads: the packed weight, or the dense one."""
         weight = self.packed if self.packed is not None else self.weight
         assert weight is not None  # one of the two is always set
         return weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., in_features] -> [..., out_features]."""
-        return onednn_linear(x, self.gemm_weight, self.bias)
+        if self.layout != "panels":
+            return onednn_linear(x, self.gemm_weight, self.bias)
+        flat = x.reshape(-1, self.in_features)
+        if flat.stride(-1) != 1:
+            flat = flat.contiguous()
+        out = _panel_ops().panel_linear(flat, self.gemm_weight, self.bias, self.out_features)
+        return cast("torch.Tensor", out).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        layout = "packed" if self.packed is not None else "dense"
-        return f"in_features={self.in_features}, out_features={self.out_features}, {layout}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.layout}"
 
 
 def use_cpu_linears(model: nn.Module, mode: str) -> int:
     """Swap every CPU ``nn.Linear`` of ``model`` in a dtype oneDNN runs here for a
-    :class:`CpuLinear` (``mode`` ``packed`` or ``onednn``; ``plain`` changes nothing).
+    :class:`CpuLinear` (``mode`` ``panels``, ``packed`` or ``onednn``; ``plain`` changes
+    nothing). In ``panels`` mode float32 layers take the panel kernel and others oneDNN's
+    packed layout, as do all of them when the kernels cannot be built here (with a warning).
 
     Returns the number of layers swapped (0 where oneDNN's op is missing: a warning is logged
     and the model is left as it was).
@@ -125,7 +159,14 @@ def use_cpu_linears(model: nn.Module, mode: str) -> int:
         if type(child) is nn.Linear and child.weight.device.type == "cpu"
     ]
     dtypes = {child.weight.dtype for _, _, child in targets}
-    usable = {dtype for dtype in dtypes if onednn_usable(dtype)}
+    panels = mode == "panels" and torch.float32 in dtypes and panels_usable()
+    if mode == "panels" and torch.float32 in dtypes and not panels:
+        logger.warning(
+            "the CPU kernels are not built here: float32 linear layers run on oneDNN's "
+            "packed weights instead of Brigade's panel GEMM (slower at decode batch sizes)"
+        )
+    usable = {dtype for dtype in dtypes if (panels and dtype == torch.float32)}
+    usable |= {dtype for dtype in dtypes - usable if onednn_usable(dtype)}
     if dtypes - usable:
         names = ", ".join(sorted(str(dtype).removeprefix("torch.") for dtype in dtypes - usable))
         logger.warning(
@@ -135,8 +176,12 @@ def use_cpu_linears(model: nn.Module, mode: str) -> int:
         )
     swapped = 0
     for parent, name, child in targets:
-        if child.weight.dtype in usable:
-            setattr(parent, name, CpuLinear(child, packed=mode == "packed"))
-            swapped += 1
-    logger.debug("%d linear layers run through oneDNN (%s)", swapped, mode)
+        if panels and child.weight.dtype == torch.float32:
+            setattr(parent, name, CpuLinear(child, "panels"))
+        elif child.weight.dtype in usable:
+            setattr(parent, name, CpuLinear(child, "dense" if mode == "onednn" else "packed"))
+        else:
+            continue
+        swapped += 1
+    logger.debug("%d linear layers swapped (cpu_linear %s)", swapped, mode)
     return swapped

@@ -69,12 +69,13 @@ class TorchExecutorOptions:
         "(docs/benchmarks.md). Ignored on CUDA (the cuda-graph executor has its own)",
     )
     cpu_linear: str = option(
-        "packed",
-        help="on a CPU in float32 or bfloat16, how linear layers and the LM head run: "
-        "'packed' = oneDNN's matmul on weights reordered once at load into the layout its "
-        "kernels read on this CPU (the reordered copy replaces the loaded one; with tied "
-        "embeddings the LM head gets its own copy), 'onednn' = oneDNN on the weights as "
-        "loaded, 'plain' = F.linear (docs/benchmarks.md has the measurements behind the "
+        "panels",
+        help="on a CPU, how linear layers and the LM head run: 'panels' = Brigade's float32 "
+        "GEMM on weights packed once at load into column panels (bfloat16 layers as "
+        "'packed'), 'packed' = oneDNN's matmul on weights reordered once at load into the "
+        "layout its kernels read on this CPU, 'onednn' = oneDNN on the weights as loaded, "
+        "'plain' = F.linear. A packed copy replaces the loaded weight; with tied embeddings "
+        "the LM head gets its own (docs/benchmarks.md has the measurements behind the "
         "default). Not used with compile",
         choices=CPU_LINEAR_MODES,
     )

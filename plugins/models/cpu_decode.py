@@ -6,7 +6,7 @@ attention kernel, the fused small operations). ``torch.ops.brigade_cpu.decode_la
 every layer with the same kernels in the same order, so its result is identical to the eager
 forward's (tested bit for bit); the eager forward remains the path for prefills, mixed steps,
 other backends, dtypes and devices, and models with qk norm (Qwen3). The linear layers are
-called as the eager forward calls them: oneDNN on the packed (or dense) weight of a
+called as the eager forward calls them: the panel GEMM or oneDNN on the weight of a
 ``CpuLinear``, F.linear for a plain ``nn.Linear``.
 """
 
@@ -82,7 +82,7 @@ class CpuDecodeLayers:
                 and isinstance(backend, SdpaBackend)
                 and backend._decode_kernel(device) is not None
                 and all(layer.self_attn.q_norm is None for layer in layers)
-                and len({isinstance(m, CpuLinear) for m in self._linears()}) == 1
+                and len({_gemm_kind(m) for m in self._linears()}) == 1
                 and len({n.eps for n in self._norms()}) == 1
             )
         return self._usable
@@ -113,7 +113,7 @@ class CpuDecodeLayers:
                 spec.head_dim,
                 first.input_layernorm.eps,
                 spec.scale,
-                isinstance(first.self_attn.qkv_proj, CpuLinear),
+                _gemm_kind(first.self_attn.qkv_proj),
                 first.self_attn.backend.cascade,
             )
             self._args = (weights, biases, windows, sizes)
@@ -137,6 +137,13 @@ class CpuDecodeLayers:
             for layer in self.model.decoder_layers
             for norm in (layer.input_layernorm, layer.post_attention_layernorm)
         ]
+
+
+def _gemm_kind(linear: nn.Module) -> int:
+    """How ``decode_layers`` runs this layer: 0 F.linear, 1 oneDNN, 2 the panel GEMM."""
+    if not isinstance(linear, CpuLinear):
+        return 0
+    return 2 if linear.layout == "panels" else 1
 
 
 def _gemm_weight(linear: nn.Module) -> torch.Tensor:

@@ -1,7 +1,8 @@
-"""oneDNN GEMMs for a model's linear layers on a CPU (``cpu_gemm.py``): the same outputs as
-``F.linear`` on packed and dense weights, in float32 and (where the CPU runs it) bfloat16; the
-swap keeps the checkpoint's parameters or replaces them by the packed copy; the executor swaps
-by default on a CPU, the tied LM head included, and not when told not to."""
+"""The GEMMs for a model's linear layers on a CPU (``cpu_gemm.py``, ``cpu_gemm.cpp``): the same
+outputs as ``F.linear`` on Brigade's panels and oneDNN's packed and dense weights, in float32
+and (where the CPU runs it) bfloat16; the swap keeps the checkpoint's parameters or replaces
+them by the packed copy; the executor swaps by default on a CPU, the tied LM head included, and
+not when told not to."""
 
 from __future__ import annotations
 
@@ -27,14 +28,17 @@ BF16 = pytest.mark.skipif(
 )
 
 
-@pytest.mark.parametrize("packed", [True, False])
+PANELS = pytest.mark.skipif(not cpu_gemm.panels_usable(), reason="the CPU kernels are not built")
+
+
+@pytest.mark.parametrize("layout", [pytest.param("panels", marks=PANELS), "packed", "dense"])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", [(1, 24), (3, 24), (2, 5, 24), (40, 24), (600, 24)])
-def test_cpu_linear_equals_f_linear(packed: bool, bias: bool, shape: tuple[int, ...]) -> None:
+def test_cpu_linear_equals_f_linear(layout: str, bias: bool, shape: tuple[int, ...]) -> None:
     torch.manual_seed(0)
     linear = nn.Linear(24, 33, bias=bias)
     expected_weight = linear.weight.detach().clone()
-    layer = CpuLinear(linear, packed=packed)
+    layer = CpuLinear(linear, layout)
     x = torch.randn(*shape)
     expected = F.linear(x, expected_weight, linear.bias)
     torch.testing.assert_close(layer(x), expected, atol=2e-6, rtol=1e-5)
@@ -44,14 +48,46 @@ def test_cpu_linear_equals_f_linear(packed: bool, bias: bool, shape: tuple[int, 
     torch.testing.assert_close(layer(wide), expected, atol=2e-6, rtol=1e-5)
 
 
+@PANELS
+@pytest.mark.parametrize("rows", [*range(1, 20), 31, 32, 33, 64, 95, 96, 97, 200])
+@pytest.mark.parametrize(("out_features", "in_features"), [(1, 7), (15, 576), (16, 64), (100, 33)])
+def test_the_panel_gemm_takes_every_row_count_and_width(
+    rows: int, out_features: int, in_features: int
+) -> None:
+    """Every tile height, a last panel partly filled, one column, odd K: F.linear within
+    float32 rounding (the kernel sums along k in order)."""
+    torch.manual_seed(rows)
+    linear = nn.Linear(in_features, out_features, bias=True)
+    expected = F.linear(x := torch.randn(rows, in_features), linear.weight, linear.bias)
+    layer = CpuLinear(linear, "panels")
+    assert layer.weight is None and layer.packed is not None
+    torch.testing.assert_close(layer(x), expected.detach(), atol=1e-5, rtol=1e-5)
+
+
+@PANELS
+def test_the_panel_gemm_refuses_what_it_cannot_read() -> None:
+    ops = cpu_gemm._panel_ops()
+    panels = ops.pack_panels(torch.randn(20, 8))
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.pack_panels(torch.randn(20, 8, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="pack_panels for this x"):
+        ops.panel_linear(torch.randn(3, 9), panels, None, 20)  # another in_features
+    with pytest.raises(RuntimeError, match="pack_panels for this x"):
+        ops.panel_linear(torch.randn(3, 8), panels, None, 40)  # another out_features
+    with pytest.raises(RuntimeError, match="bias"):
+        ops.panel_linear(torch.randn(3, 8), panels, torch.randn(19), 20)
+    with pytest.raises(ValueError, match="layout"):
+        CpuLinear(nn.Linear(8, 8), "blocked")
+
+
 @BF16
-@pytest.mark.parametrize("packed", [True, False])
+@pytest.mark.parametrize("layout", ["packed", "dense"])
 @pytest.mark.parametrize("rows", [1, 32, 300])
-def test_cpu_linear_in_bfloat16_sums_in_float32(packed: bool, rows: int) -> None:
+def test_cpu_linear_in_bfloat16_sums_in_float32(layout: str, rows: int) -> None:
     torch.manual_seed(0)
     linear = nn.Linear(64, 40, bias=True, dtype=torch.bfloat16)
     weight, bias = linear.weight.detach().float(), linear.bias.detach().float()
-    layer = CpuLinear(linear, packed=packed)
+    layer = CpuLinear(linear, layout)
     x = torch.randn(rows, 64).bfloat16()
     out = layer(x)
     assert out.dtype == torch.bfloat16
@@ -70,12 +106,19 @@ def test_packed_mode_replaces_the_weight_and_onednn_mode_keeps_it() -> None:
     assert model[0].packed is None
     assert set(model.state_dict()) == {"0.weight", "0.bias", "2.0.weight", "2.0.bias"}
 
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Sequential(nn.Linear(16, 4)))
-    assert use_cpu_linears(model, "packed") == 2
-    assert isinstance(model[0], CpuLinear)
-    assert model[0].weight is None, "no dense copy is kept"
-    assert model[0].packed is not None
-    assert set(model.state_dict()) == {"0.bias", "2.0.bias"}
+    for mode in ("packed", "panels"):
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Sequential(nn.Linear(16, 4)))
+        assert use_cpu_linears(model, mode) == 2
+        assert isinstance(model[0], CpuLinear)
+        assert model[0].weight is None, "no dense copy is kept"
+        assert model[0].packed is not None
+        assert model[0].layout == (mode if cpu_gemm.panels_usable() else "packed")
+        assert set(model.state_dict()) == {"0.bias", "2.0.bias"}
+
+    if cpu_gemm.onednn_usable(torch.bfloat16):  # panels leave bfloat16 to oneDNN
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8, dtype=torch.bfloat16))
+        assert use_cpu_linears(model, "panels") == 2
+        assert model[1].layout == "packed"
 
     model = nn.Sequential(nn.Linear(8, 16))
     assert use_cpu_linears(model, "plain") == 0
@@ -117,12 +160,15 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def test_the_executor_packs_every_gemm_by_default_and_matches_the_plain_one(
     model_dirs: dict[str, Path], tied: str, dtype: str, atol: float
 ) -> None:
-    packed = make_executor(model_dirs[tied], dtype=dtype)
+    default = make_executor(model_dirs[tied], dtype=dtype)
+    packed = make_executor(model_dirs[tied], cpu_linear="packed", dtype=dtype)
     dense = make_executor(model_dirs[tied], cpu_linear="onednn", dtype=dtype)
     plain = make_executor(model_dirs[tied], cpu_linear="plain", dtype=dtype)
-    layers = [m for m in packed.model.modules() if isinstance(m, CpuLinear)]  # type: ignore[attr-defined]
+    layers = [m for m in default.model.modules() if isinstance(m, CpuLinear)]  # type: ignore[attr-defined]
     assert len(layers) == 2 * 4 + 1, "four linear layers per decoder layer and the LM head"
     assert all(layer.packed is not None for layer in layers)
+    panels = dtype == "float32" and cpu_gemm.panels_usable()
+    assert {layer.layout for layer in layers} == {"panels" if panels else "packed"}
     assert not any(isinstance(m, CpuLinear) for m in plain.model.modules())  # type: ignore[attr-defined]
     embedding = packed.model.embed_tokens.weight  # type: ignore[attr-defined]
     assert embedding.is_contiguous(), "lookups read the dense embedding"
@@ -130,5 +176,6 @@ def test_the_executor_packs_every_gemm_by_default_and_matches_the_plain_one(
     for chunk in (SeqChunk(list(range(3, 11)), 0, [1, 2], "all"), SeqChunk([7], 8, [1, 2, 3])):
         batch = build_model_input([chunk], page)
         expected = plain.execute(batch)
+        torch.testing.assert_close(default.execute(batch), expected, atol=atol, rtol=0)
         torch.testing.assert_close(packed.execute(batch), expected, atol=atol, rtol=0)
         torch.testing.assert_close(dense.execute(batch), expected, atol=atol, rtol=0)

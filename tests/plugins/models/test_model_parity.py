@@ -90,11 +90,12 @@ VARIANTS = {
 
 
 MODES: dict[str, dict[str, Any]] = {
-    "eager": {"native_decode": True, "cpu_linear": "packed", "fused": True},
+    "eager": {"native_decode": True, "cpu_linear": "panels", "fused": True},
     "gather": {"native_decode": False, "cpu_linear": "plain", "fused": False},
 }
 """How the CPU forward runs: the default fast path (decode and prefill attention in the C++
-kernels that read pages in place, linear layers through oneDNN's matmul on packed weights,
+kernels that read pages in place, float32 linear layers through Brigade's panel GEMM and
+bfloat16 ones through oneDNN's matmul on packed weights (test_cpu_gemm.py compares oneDNN's),
 norms/SiLU-mul/RoPE in the fused C++ kernels), or the reference path (pages gathered for SDPA,
 F.linear, torch's operations).
 The compiled forward is checked against the eager one in test_compiled.py."""
