@@ -32,7 +32,10 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from brigade import LLM, SamplingParams
 
 CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("gemm", ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm", "mkldnn")),
+    (
+        "gemm",
+        ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm", "mkldnn", "panel"),
+    ),
     ("fused decode layers (attention, norms, RoPE, SiLU)", ("decode_layers",)),
     (
         "attention",

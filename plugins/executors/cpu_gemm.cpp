@@ -19,6 +19,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
+#include <ATen/record_function.h>
 #include <torch/library.h>
 
 #include "../attention/cpu_vec.h"
@@ -151,6 +152,8 @@ at::Tensor pack_panels(at::Tensor weight) {
 // x [rows, in_features] float32 (rows may be strided) -> [rows, out_features].
 at::Tensor panel_linear(at::Tensor x, at::Tensor panels, std::optional<at::Tensor> bias,
                         int64_t out_features) {
+  // decode_layers calls this directly, not through the dispatcher: name it for profilers.
+  RECORD_FUNCTION("brigade_cpu::panel_linear", std::vector<c10::IValue>());
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
               "panel_linear: x must be float32 [rows, in_features] with contiguous rows");
   TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kFloat && panels.is_contiguous() &&
