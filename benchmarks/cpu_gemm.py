@@ -1,0 +1,99 @@
+"""Brigade's panel GEMM against oneDNN's packed one, at a model's linear shapes, by batch rows.
+
+    python benchmarks/cpu_gemm.py                  # SmolLM2's layer shapes at 1-512 rows
+    python benchmarks/cpu_gemm.py --rows 1 32 --lm-head
+    python benchmarks/cpu_gemm.py --shapes 4096x4096 11008x4096 --rows 1 8
+
+Each shape is timed on as many distinct weights as make ~64 MB, so that a call reads its
+weight from memory as a model's layer does rather than from the caches; the two kernels take
+turns (two rounds, the best of each kept), 2 threads, float32. Prints ms per call, the rate
+the weight was read at (what bounds a layer at one row) and GFLOP/s, the ratio, and the largest
+difference from F.linear.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from brigade.plugins.attention.cpu_kernels import cpu_ops
+from brigade.plugins.executors.cpu_gemm import pack_weight
+
+SMOLLM2 = ("960x576", "576x576", "3072x576", "576x1536")
+"""out x in of SmolLM2-135M's qkv, o, gate_up and down projections."""
+LM_HEAD = "49152x576"
+
+
+def best_seconds(call: Callable[[int], object], count: int, repeats: int) -> float:
+    """Seconds per call, over ``repeats`` passes of ``count`` weights, after one pass."""
+    for index in range(count):
+        call(index)
+    started = time.perf_counter()
+    for _ in range(repeats):
+        for index in range(count):
+            call(index)
+    return (time.perf_counter() - started) / repeats / count
+
+
+def compare(ops: object, rows: int, out_features: int, in_features: int) -> None:
+    count = max(1, int(64e6 // (out_features * in_features * 4)))
+    weights = [torch.randn(out_features, in_features) for _ in range(count)]
+    packed = [pack_weight(w) for w in weights]
+    panels = [ops.pack_panels(w) for w in weights]  # type: ignore[attr-defined]
+    x = torch.randn(rows, in_features)
+    error = (
+        (ops.panel_linear(x, panels[0], None, out_features) - F.linear(x, weights[0]))  # type: ignore[attr-defined]
+        .abs()
+        .max()
+        .item()
+    )
+    flops = 2 * rows * out_features * in_features
+    repeats = max(3, int(1e10 // (flops * count)))
+    calls = {
+        "oneDNN packed": lambda i: torch.ops.mkldnn._linear_pointwise(
+            x, packed[i], None, "none", [], ""
+        ),
+        "panels": lambda i: ops.panel_linear(x, panels[i], None, out_features),  # type: ignore[attr-defined]
+    }
+    best: dict[str, float] = {}
+    for _ in range(2):
+        for name, call in calls.items():
+            best[name] = min(best.get(name, float("inf")), best_seconds(call, count, repeats))
+    parts = [f"rows {rows:4d}  {out_features:5d}x{in_features:<5d}"]
+    for name, seconds in best.items():
+        gb_per_s = out_features * in_features * 4 / seconds / 1e9
+        parts.append(
+            f"{name} {seconds * 1e3:7.3f} ms ({gb_per_s:5.1f} GB/s, {flops / seconds / 1e9:4.0f} GF)"
+        )
+    ratio = best["oneDNN packed"] / best["panels"]
+    parts.append(f"panels {ratio:4.2f}x as fast  max |diff| {error:.1e}")
+    print("  ".join(parts), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 512])
+    parser.add_argument("--shapes", nargs="+", default=list(SMOLLM2), help="OUTxIN")
+    parser.add_argument("--lm-head", action="store_true", help=f"also SmolLM2's {LM_HEAD}")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    ops = cpu_ops()
+    if ops is None:
+        raise SystemExit("the CPU kernels could not be built here")
+    from step_profile import cpu_flags  # benchmarks/ is this script's directory
+
+    print(f"{cpu_flags()}; torch {torch.__version__}, {args.threads} threads, float32")
+    shapes = [*args.shapes, *([LM_HEAD] if args.lm_head else [])]
+    for rows in args.rows:
+        for shape in shapes:
+            out_features, in_features = (int(n) for n in shape.lower().split("x"))
+            compare(ops, rows, out_features, in_features)
+
+
+if __name__ == "__main__":
+    main()
