@@ -66,9 +66,8 @@ def compare(ops: object, rows: int, out_features: int, in_features: int) -> None
     parts = [f"rows {rows:4d}  {out_features:5d}x{in_features:<5d}"]
     for name, seconds in best.items():
         gb_per_s = out_features * in_features * 4 / seconds / 1e9
-        parts.append(
-            f"{name} {seconds * 1e3:7.3f} ms ({gb_per_s:5.1f} GB/s, {flops / seconds / 1e9:4.0f} GF)"
-        )
+        gflops = flops / seconds / 1e9
+        parts.append(f"{name} {seconds * 1e3:7.3f} ms ({gb_per_s:5.1f} GB/s, {gflops:4.0f} GF)")
     ratio = best["oneDNN packed"] / best["panels"]
     parts.append(f"panels {ratio:4.2f}x as fast  max |diff| {error:.1e}")
     print("  ".join(parts), flush=True)

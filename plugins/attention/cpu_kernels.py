@@ -35,10 +35,13 @@ __all__ = ["cpu_ops", "exclusive_build", "kernels_take_head_dim", "paged_decode_
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = tuple(
-    Path(__file__).with_name(name)
-    for name in ("cpu_paged.cpp", "cpu_cascade.cpp", "cpu_prefill.cpp", "cpu_fused.cpp")
-) + (Path(__file__).parent.parent / "executors" / "cpu_gemm.cpp",)
+_SOURCES = (
+    *(
+        Path(__file__).with_name(name)
+        for name in ("cpu_paged.cpp", "cpu_cascade.cpp", "cpu_prefill.cpp", "cpu_fused.cpp")
+    ),
+    Path(__file__).parent.parent / "executors" / "cpu_gemm.cpp",  # the panel GEMM
+)
 _HEADERS = tuple(
     Path(__file__).with_name(name)
     for name in (

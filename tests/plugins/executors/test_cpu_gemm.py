@@ -60,7 +60,8 @@ def test_the_panel_gemm_takes_every_row_count_and_width(
     linear = nn.Linear(in_features, out_features, bias=True)
     expected = F.linear(x := torch.randn(rows, in_features), linear.weight, linear.bias)
     layer = CpuLinear(linear, "panels")
-    assert layer.weight is None and layer.packed is not None
+    assert layer.weight is None
+    assert layer.packed is not None
     torch.testing.assert_close(layer(x), expected.detach(), atol=1e-5, rtol=1e-5)
 
 
