@@ -3,12 +3,13 @@
     python benchmarks/cpu_gemm.py                  # SmolLM2's layer shapes at 1-512 rows
     python benchmarks/cpu_gemm.py --rows 1 32 --lm-head
     python benchmarks/cpu_gemm.py --shapes 4096x4096 11008x4096 --rows 1 8
+    python benchmarks/cpu_gemm.py --dtype bfloat16    # needs AVX512-BF16 (vdpbf16ps)
 
 Each shape is timed on as many distinct weights as make ~64 MB, so that a call reads its
 weight from memory as a model's layer does rather than from the caches; the two kernels take
-turns (two rounds, the best of each kept), 2 threads, float32. Prints ms per call, the rate
-the weight was read at (what bounds a layer at one row) and GFLOP/s, the ratio, and the largest
-difference from F.linear.
+turns (two rounds, the best of each kept), 2 threads, float32 unless ``--dtype``. Prints ms per
+call, the rate the weight was read at (what bounds a layer at one row) and GFLOP/s, the ratio,
+and the largest difference from F.linear in float32 on the same inputs.
 """
 
 from __future__ import annotations
@@ -39,18 +40,17 @@ def best_seconds(call: Callable[[int], object], count: int, repeats: int) -> flo
     return (time.perf_counter() - started) / repeats / count
 
 
-def compare(ops: object, rows: int, out_features: int, in_features: int) -> None:
-    count = max(1, int(64e6 // (out_features * in_features * 4)))
-    weights = [torch.randn(out_features, in_features) for _ in range(count)]
+def compare(
+    ops: object, rows: int, out_features: int, in_features: int, dtype: torch.dtype
+) -> None:
+    size = torch.finfo(dtype).bits // 8
+    count = max(1, int(64e6 // (out_features * in_features * size)))
+    weights = [torch.randn(out_features, in_features).to(dtype) for _ in range(count)]
     packed = [pack_weight(w) for w in weights]
     panels = [ops.pack_panels(w) for w in weights]  # type: ignore[attr-defined]
-    x = torch.randn(rows, in_features)
-    error = (
-        (ops.panel_linear(x, panels[0], None, out_features) - F.linear(x, weights[0]))  # type: ignore[attr-defined]
-        .abs()
-        .max()
-        .item()
-    )
+    x = torch.randn(rows, in_features).to(dtype)
+    got = ops.panel_linear(x, panels[0], None, out_features)  # type: ignore[attr-defined]
+    error = (got.float() - F.linear(x.float(), weights[0].float())).abs().max().item()
     flops = 2 * rows * out_features * in_features
     repeats = max(3, int(1e10 // (flops * count)))
     calls = {
@@ -65,7 +65,7 @@ def compare(ops: object, rows: int, out_features: int, in_features: int) -> None
             best[name] = min(best.get(name, float("inf")), best_seconds(call, count, repeats))
     parts = [f"rows {rows:4d}  {out_features:5d}x{in_features:<5d}"]
     for name, seconds in best.items():
-        gb_per_s = out_features * in_features * 4 / seconds / 1e9
+        gb_per_s = out_features * in_features * size / seconds / 1e9
         gflops = flops / seconds / 1e9
         parts.append(f"{name} {seconds * 1e3:7.3f} ms ({gb_per_s:5.1f} GB/s, {gflops:4.0f} GF)")
     ratio = best["oneDNN packed"] / best["panels"]
@@ -79,6 +79,7 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=list(SMOLLM2), help="OUTxIN")
     parser.add_argument("--lm-head", action="store_true", help=f"also SmolLM2's {LM_HEAD}")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     ops = cpu_ops()
@@ -86,12 +87,15 @@ def main() -> None:
         raise SystemExit("the CPU kernels could not be built here")
     from step_profile import cpu_flags  # benchmarks/ is this script's directory
 
-    print(f"{cpu_flags()}; torch {torch.__version__}, {args.threads} threads, float32")
+    dtype = getattr(torch, args.dtype)
+    if dtype == torch.bfloat16 and not ops.panels_take_bfloat16():
+        raise SystemExit("the panel GEMM takes bfloat16 only on CPUs with AVX512-BF16")
+    print(f"{cpu_flags()}; torch {torch.__version__}, {args.threads} threads, {args.dtype}")
     shapes = [*args.shapes, *([LM_HEAD] if args.lm_head else [])]
     for rows in args.rows:
         for shape in shapes:
             out_features, in_features = (int(n) for n in shape.lower().split("x"))
-            compare(ops, rows, out_features, in_features)
+            compare(ops, rows, out_features, in_features, dtype)
 
 
 if __name__ == "__main__":

@@ -254,15 +254,16 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
 // residual), so the result is identical to it; what it saves is Python and ~40 operator
 // dispatches per layer. Per layer l: weights[6l .. 6l+5] = input norm, qkv, o, post-attention
 // norm, gate_up, down; biases[4l .. 4l+3] = qkv, o, gate_up, down (None when absent);
-// windows[l] the sliding window (0: none). Returns the residual stream after the last layer
-// (before the final norm).
+// windows[l] the sliding window (0: none); gemm how the linear layers run (enum Gemm) and
+// intermediate the MLP's width (the panel GEMM needs each layer's width). Returns the residual
+// stream after the last layer (before the final norm).
 at::Tensor decode_layers(at::Tensor hidden, at::Tensor cos, at::Tensor sin,
                          std::vector<at::Tensor> key_caches, std::vector<at::Tensor> value_caches,
                          at::Tensor slot_mapping, at::Tensor block_tables, at::Tensor seq_lens,
                          std::vector<at::Tensor> weights,
                          c10::List<std::optional<at::Tensor>> biases, std::vector<int64_t> windows,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
-                         double scale, int64_t gemm, bool cascade) {
+                         double scale, int64_t gemm, bool cascade, int64_t intermediate) {
   const int64_t num_layers = static_cast<int64_t>(key_caches.size());
   TORCH_CHECK(value_caches.size() == key_caches.size() &&
                   static_cast<int64_t>(weights.size()) == 6 * num_layers &&
@@ -277,8 +278,6 @@ at::Tensor decode_layers(at::Tensor hidden, at::Tensor cos, at::Tensor sin,
     const at::Tensor* w = weights.data() + 6 * l;
     const auto bias = [&](int64_t i) -> std::optional<at::Tensor> { return biases.get(4 * l + i); };
     const at::Tensor normed = rms_norm(hidden, w[0], eps);
-    // The MLP's width, down_proj's input (panels: [panels, in, lanes]; only they need it).
-    const int64_t intermediate = gemm == kPanels ? w[5].size(1) : 0;
     const at::Tensor qkv = linear(normed, w[1], bias(0), gemm, q_size + 2 * kv_size);
     const at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
     const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim});

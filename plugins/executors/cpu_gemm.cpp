@@ -1,5 +1,5 @@
-// Brigade's float32 GEMM for a model's linear layers on a CPU: y = x W^T (+ bias) on a weight
-// packed once at load into column panels.
+// Brigade's GEMM for a model's linear layers on a CPU: y = x W^T (+ bias) on a weight packed
+// once at load into column panels; float32, and bfloat16 where the CPU has AVX512-BF16.
 //
 // A panel is kLanes output columns (one vector) of the weight, stored k-major: panels[p][k][j]
 // = W[p * kLanes + j][k], the last panel zero-padded. A tile of kRows rows of x and up to
@@ -13,7 +13,8 @@
 // the panels (each its contiguous share, read once per row block).
 //
 // Sums run along k in order, one chain per output: results equal F.linear's within float32
-// rounding, not bit for bit (MKL and oneDNN sum in blocks).
+// rounding, not bit for bit (MKL and oneDNN sum in blocks). bfloat16 is below (tile for
+// Gemm<c10::BFloat16>).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -24,9 +25,14 @@
 
 #include "../attention/cpu_vec.h"
 
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <utility>
 
@@ -48,18 +54,19 @@ constexpr int kPanels = 3;
 #endif
 constexpr int64_t kBlockRows = 16 * kRows;
 
+template <typename T>
 struct Gemm {
-  const float* x;
+  const T* x;
   int64_t x_stride;  // between rows of x
-  const float* panels;
-  const float* bias;  // nullptr: none
-  float* out;
+  const T* panels;
+  const T* bias;  // nullptr: none
+  T* out;
   int64_t rows, in_features, out_features;
 };
 
 // Rows [row, row + R) of the output, panels [panel, panel + P).
 template <int R, int P>
-void tile(const Gemm& g, int64_t row, int64_t panel) {
+void tile(const Gemm<float>& g, int64_t row, int64_t panel) {
   const int64_t K = g.in_features;
   const float* x = g.x + row * g.x_stride;
   const float* w = g.panels + panel * K * kLanes;
@@ -91,24 +98,83 @@ void tile(const Gemm& g, int64_t row, int64_t panel) {
   }
 }
 
-using TileFn = void (*)(const Gemm&, int64_t, int64_t);
+#if defined(__AVX512BF16__)
+// bfloat16: panels of pairs, panels[p][i][j][t] = W[p * 16 + j][2 i + t] (K padded to even), so
+// one vdpbf16ps multiplies a vector of 16 columns x 2 k by a broadcast pair of x and adds both
+// products, in float32, to the 16 sums (as oneDNN's bf16 kernels do). Outputs are rounded to
+// bfloat16 once, after the bias.
+constexpr bool kBfloat16 = true;
 
-template <int R, int... P>
-constexpr std::array<TileFn, sizeof...(P)> tiles_of_rows(std::integer_sequence<int, P...>) {
+template <int R, int P>
+void tile(const Gemm<c10::BFloat16>& g, int64_t row, int64_t panel) {
+  static_assert(kLanes == 16, "AVX512-BF16 vectors hold 16 floats");
+  const int64_t K = g.in_features, pairs = (K + 1) / 2, whole = K / 2;
+  const c10::BFloat16* x = g.x + row * g.x_stride;
+  const c10::BFloat16* w = g.panels + panel * pairs * 2 * kLanes;
+  __m512 acc[R][P];
+  for (int r = 0; r < R; ++r) {
+    for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
+  }
+  // Pair i of every row: both halves from x, or (an odd K's last) the first and a zero.
+  const auto step = [&](int64_t i, bool last_odd) {
+    __m512bh weight[P];
+    for (int p = 0; p < P; ++p) {
+      weight[p] = (__m512bh)_mm512_loadu_si512(w + (p * pairs + i) * 2 * kLanes);
+    }
+    for (int r = 0; r < R; ++r) {
+      uint32_t bits = 0;
+      std::memcpy(&bits, x + r * g.x_stride + 2 * i, last_odd ? 2 : 4);
+      const __m512bh value = (__m512bh)_mm512_set1_epi32(static_cast<int>(bits));
+      for (int p = 0; p < P; ++p) acc[r][p] = _mm512_dpbf16_ps(acc[r][p], value, weight[p]);
+    }
+  };
+  for (int64_t i = 0; i < whole; ++i) step(i, false);
+  if (pairs > whole) step(whole, true);
+  for (int p = 0; p < P; ++p) {
+    const int64_t column = (panel + p) * kLanes;
+    const int64_t width = std::min<int64_t>(kLanes, g.out_features - column);
+    vecf bias = {};
+    if (g.bias != nullptr) {
+      for (int64_t j = 0; j < width; ++j) bias[j] = static_cast<float>(g.bias[column + j]);
+    }
+    for (int r = 0; r < R; ++r) {
+      c10::BFloat16* o = g.out + (row + r) * g.out_features + column;
+      vecf sums;
+      std::memcpy(&sums, &acc[r][p], sizeof(sums));
+      const vecf result = sums + bias;
+      if (width == kLanes) {
+        store_vec(o, result);
+      } else {
+        for (int64_t j = 0; j < width; ++j) o[j] = c10::BFloat16(result[j]);
+      }
+    }
+  }
+}
+#else
+constexpr bool kBfloat16 = false;
+#endif
+
+template <typename T>
+using TileFn = void (*)(const Gemm<T>&, int64_t, int64_t);
+
+template <typename T, int R, int... P>
+constexpr std::array<TileFn<T>, sizeof...(P)> tiles_of_rows(std::integer_sequence<int, P...>) {
   return {&tile<R, P + 1>...};
 }
 
-template <int... R>
-constexpr std::array<std::array<TileFn, kPanels>, sizeof...(R)> tile_table(
+template <typename T, int... R>
+constexpr std::array<std::array<TileFn<T>, kPanels>, sizeof...(R)> tile_table(
     std::integer_sequence<int, R...>) {
-  return {tiles_of_rows<R + 1>(std::make_integer_sequence<int, kPanels>{})...};
+  return {tiles_of_rows<T, R + 1>(std::make_integer_sequence<int, kPanels>{})...};
 }
 
-// kTiles[R - 1][P - 1] = tile<R, P>
-constexpr auto kTiles = tile_table(std::make_integer_sequence<int, kRows>{});
+// kTiles<T>[R - 1][P - 1] = tile<R, P> for T
+template <typename T>
+constexpr auto kTiles = tile_table<T>(std::make_integer_sequence<int, kRows>{});
 
 // Panels [first, last) for every row, a thread's share.
-void run_panels(const Gemm& g, int64_t first, int64_t last) {
+template <typename T>
+void run_panels(const Gemm<T>& g, int64_t first, int64_t last) {
   for (int64_t block = 0; block < g.rows; block += kBlockRows) {
     const int64_t rows = std::min(kBlockRows, g.rows - block);
     const int64_t tiles = (rows + kRows - 1) / kRows;
@@ -118,7 +184,7 @@ void run_panels(const Gemm& g, int64_t first, int64_t last) {
       int64_t row = block;
       for (int64_t t = 0; t < tiles; ++t) {
         const int64_t height = rows / tiles + (t < rows % tiles ? 1 : 0);
-        kTiles[height - 1][count - 1](g, row, panel);
+        kTiles<T>[height - 1][count - 1](g, row, panel);
         row += height;
       }
     }
@@ -129,57 +195,94 @@ int64_t num_panels(int64_t out_features) { return (out_features + kLanes - 1) / 
 
 }  // namespace
 
-// weight [out_features, in_features] float32 -> panels [ceil(out / kLanes), in, kLanes].
+// weight [out_features, in_features] -> float32 panels [ceil(out / kLanes), in, kLanes], or
+// bfloat16 ones [ceil(out / kLanes), ceil(in / 2), kLanes, 2] (where the CPU has AVX512-BF16).
 at::Tensor pack_panels(at::Tensor weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat,
-              "pack_panels: weight must be a float32 [out_features, in_features] tensor");
+  const bool bf16 = weight.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kFloat || (bf16 && kBfloat16)),
+              "pack_panels: weight must be a float32 [out_features, in_features] tensor",
+              kBfloat16 ? " (or bfloat16)" : "");
   const at::Tensor w = weight.contiguous();
-  const int64_t N = w.size(0), K = w.size(1);
-  auto panels = at::zeros({num_panels(N), K, kLanes}, w.options());
-  const float* source = w.data_ptr<float>();
-  float* target = panels.data_ptr<float>();
-  at::parallel_for(0, num_panels(N), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      for (int64_t j = 0; j < kLanes && p * kLanes + j < N; ++j) {
-        const float* row = source + (p * kLanes + j) * K;
-        for (int64_t k = 0; k < K; ++k) target[(p * K + k) * kLanes + j] = row[k];
+  const int64_t N = w.size(0), K = w.size(1), pairs = (K + 1) / 2;
+  auto panels = bf16 ? at::zeros({num_panels(N), pairs, kLanes, 2}, w.options())
+                     : at::zeros({num_panels(N), K, kLanes}, w.options());
+  const auto pack = [&](auto type) {
+    using T = decltype(type);
+    const T* source = w.data_ptr<T>();
+    T* target = panels.data_ptr<T>();
+    at::parallel_for(0, num_panels(N), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        for (int64_t j = 0; j < kLanes && p * kLanes + j < N; ++j) {
+          const T* row = source + (p * kLanes + j) * K;
+          for (int64_t k = 0; k < K; ++k) {
+            const int64_t at = bf16 ? ((p * pairs + k / 2) * kLanes + j) * 2 + k % 2
+                                    : (p * K + k) * kLanes + j;
+            target[at] = row[k];
+          }
+        }
       }
-    }
-  });
+    });
+  };
+  if (bf16) {
+    pack(c10::BFloat16{});
+  } else {
+    pack(float{});
+  }
   return panels;
 }
 
-// x [rows, in_features] float32 (rows may be strided) -> [rows, out_features].
+// x [rows, in_features] float32 or bfloat16 (rows may be strided) -> [rows, out_features].
 at::Tensor panel_linear(at::Tensor x, at::Tensor panels, std::optional<at::Tensor> bias,
                         int64_t out_features) {
   // decode_layers calls this directly, not through the dispatcher: name it for profilers.
   RECORD_FUNCTION("brigade_cpu::panel_linear", std::vector<c10::IValue>());
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
-              "panel_linear: x must be float32 [rows, in_features] with contiguous rows");
-  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kFloat && panels.is_contiguous() &&
-                  panels.size(2) == kLanes && panels.size(1) == x.size(1) &&
-                  panels.size(0) == num_panels(out_features),
+  const auto dtype = x.scalar_type();
+  const bool bf16 = dtype == at::kBFloat16;
+  TORCH_CHECK(x.dim() == 2 && (dtype == at::kFloat || bf16) && x.stride(1) == 1,
+              "panel_linear: x must be float32 or bfloat16 [rows, in_features] with contiguous "
+              "rows");
+  TORCH_CHECK(!bf16 || kBfloat16, "panel_linear: bfloat16 needs a CPU with AVX512-BF16");
+  const int64_t K = x.size(1);
+  TORCH_CHECK(panels.scalar_type() == dtype && panels.is_contiguous() &&
+                  panels.size(0) == num_panels(out_features) &&
+                  (bf16 ? panels.dim() == 4 && panels.size(1) == (K + 1) / 2 &&
+                              panels.size(2) == kLanes && panels.size(3) == 2
+                        : panels.dim() == 3 && panels.size(1) == K && panels.size(2) == kLanes),
               "panel_linear: panels must come from pack_panels for this x and out_features");
   if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+    TORCH_CHECK(bias->scalar_type() == dtype && bias->is_contiguous() &&
                     bias->numel() == out_features,
-                "panel_linear: bias must be a float32 vector of out_features");
+                "panel_linear: bias must be a vector of out_features in x's dtype");
   }
   auto out = at::empty({x.size(0), out_features}, x.options());
-  const Gemm g{x.data_ptr<float>(),
-               x.stride(0),
-               panels.data_ptr<float>(),
-               bias.has_value() ? bias->data_ptr<float>() : nullptr,
-               out.data_ptr<float>(),
-               x.size(0),
-               x.size(1),
-               out_features};
-  if (g.rows == 0) return out;
+  if (x.size(0) == 0) return out;
   const int64_t P = panels.size(0);
-  // The threads split the panels evenly (a tile's kPanels the smallest share worth one).
-  at::parallel_for(0, P, kPanels, [&](int64_t begin, int64_t end) { run_panels(g, begin, end); });
+  const auto run = [&](auto type) {
+    using T = decltype(type);
+    const Gemm<T> g{x.data_ptr<T>(),
+                    x.stride(0),
+                    panels.data_ptr<T>(),
+                    bias.has_value() ? bias->data_ptr<T>() : nullptr,
+                    out.data_ptr<T>(),
+                    x.size(0),
+                    K,
+                    out_features};
+    // The threads split the panels evenly (a tile's kPanels the smallest share worth one).
+    at::parallel_for(0, P, kPanels,
+                     [&](int64_t begin, int64_t end) { run_panels<T>(g, begin, end); });
+  };
+#if defined(__AVX512BF16__)
+  if (bf16) {
+    run(c10::BFloat16{});
+    return out;
+  }
+#endif
+  run(float{});
   return out;
 }
+
+// Whether pack_panels and panel_linear take bfloat16 here (the CPU has AVX512-BF16).
+bool panels_take_bfloat16() { return kBfloat16; }
 
 // The output columns of one panel (pack_panels' layout, for Python to check its packing).
 int64_t panel_lanes() { return kLanes; }
@@ -188,4 +291,5 @@ TORCH_LIBRARY_FRAGMENT(brigade_cpu, m) {
   m.def("pack_panels", &pack_panels);
   m.def("panel_linear", &panel_linear);
   m.def("panel_lanes", &panel_lanes);
+  m.def("panels_take_bfloat16", &panels_take_bfloat16);
 }

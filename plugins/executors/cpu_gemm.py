@@ -7,7 +7,9 @@
   vector is read once and feeds one FMA per row of the batch, so at decode batch sizes, where
   a layer is mostly a read of its weight, it streams at the memory's speed: on SmolLM2's
   shapes (AVX-512, 2 threads) 1.6-2.8x oneDNN's packed GEMM at one row, 1.1-1.4x at 8-32 rows,
-  level at 128-512 (docs/benchmarks.md). bfloat16 weights take oneDNN's packed path.
+  level at 128-512 (docs/benchmarks.md). In bfloat16 (CPUs with AVX512-BF16) the panels hold
+  pairs of k and one ``vdpbf16ps`` adds both products in float32, as oneDNN's bf16 kernels do;
+  elsewhere bfloat16 weights take oneDNN's packed path.
 - ``packed``: oneDNN's matmul (``torch.ops.mkldnn._linear_pointwise``) on the weight
   reordered once into the blocked layout its kernels read for this CPU
   (``torch.ops.mkldnn._reorder_linear_weight``), as vLLM-CPU does; ``onednn`` runs it on the
@@ -40,8 +42,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 CPU_LINEAR_MODES = ("panels", "packed", "onednn", "plain")
-"""``[executor] cpu_linear``: Brigade's kernel on column panels (float32; bfloat16 as
-``packed``), oneDNN on prepacked weights, oneDNN on the weights as loaded, or ``F.linear``."""
+"""``[executor] cpu_linear``: Brigade's kernel on column panels (float32, and bfloat16 with
+AVX512-BF16; else as ``packed``), oneDNN on prepacked weights, oneDNN on the weights as loaded,
+or ``F.linear``."""
 PACK_ROWS = 32
 """The row count oneDNN chooses the packed layout for: a decode batch. Measured best or level
 with packing for 1 or 512 rows at 1, 32 and 512 rows (docs/benchmarks.md)."""
@@ -86,9 +89,13 @@ def onednn_linear(
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def panels_usable() -> bool:
-    """Whether Brigade's panel GEMM is built here (the CPU kernels compile)."""
-    return _panel_ops() is not None
+def panels_usable(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether Brigade's panel GEMM runs ``dtype`` here: float32 where the CPU kernels are
+    built, bfloat16 where they are and the CPU has AVX512-BF16."""
+    ops = _panel_ops()
+    if ops is None or dtype not in (torch.float32, torch.bfloat16):
+        return False
+    return dtype == torch.float32 or bool(ops.panels_take_bfloat16())
 
 
 def _panel_ops() -> Any:
@@ -142,8 +149,9 @@ class CpuLinear(nn.Module):
 def use_cpu_linears(model: nn.Module, mode: str) -> int:
     """Swap every CPU ``nn.Linear`` of ``model`` in a dtype oneDNN runs here for a
     :class:`CpuLinear` (``mode`` ``panels``, ``packed`` or ``onednn``; ``plain`` changes
-    nothing). In ``panels`` mode float32 layers take the panel kernel and others oneDNN's
-    packed layout, as do all of them when the kernels cannot be built here (with a warning).
+    nothing). In ``panels`` mode the layers in a dtype the panel kernel runs here (see
+    :func:`panels_usable`) take it and the others oneDNN's packed layout, as do all of them
+    when the kernels cannot be built here (with a warning).
 
     Returns the number of layers swapped (0 where oneDNN's op is missing: a warning is logged
     and the model is left as it was).
@@ -159,14 +167,13 @@ def use_cpu_linears(model: nn.Module, mode: str) -> int:
         if type(child) is nn.Linear and child.weight.device.type == "cpu"
     ]
     dtypes = {child.weight.dtype for _, _, child in targets}
-    panels = mode == "panels" and torch.float32 in dtypes and panels_usable()
-    if mode == "panels" and torch.float32 in dtypes and not panels:
+    panels = {dtype for dtype in dtypes if mode == "panels" and panels_usable(dtype)}
+    if mode == "panels" and torch.float32 in dtypes - panels:
         logger.warning(
             "the CPU kernels are not built here: float32 linear layers run on oneDNN's "
             "packed weights instead of Brigade's panel GEMM (slower at decode batch sizes)"
         )
-    usable = {dtype for dtype in dtypes if (panels and dtype == torch.float32)}
-    usable |= {dtype for dtype in dtypes - usable if onednn_usable(dtype)}
+    usable = panels | {dtype for dtype in dtypes - panels if onednn_usable(dtype)}
     if dtypes - usable:
         names = ", ".join(sorted(str(dtype).removeprefix("torch.") for dtype in dtypes - usable))
         logger.warning(
@@ -176,7 +183,7 @@ def use_cpu_linears(model: nn.Module, mode: str) -> int:
         )
     swapped = 0
     for parent, name, child in targets:
-        if panels and child.weight.dtype == torch.float32:
+        if child.weight.dtype in panels:
             setattr(parent, name, CpuLinear(child, "panels"))
         elif child.weight.dtype in usable:
             setattr(parent, name, CpuLinear(child, "dense" if mode == "onednn" else "packed"))

@@ -115,6 +115,7 @@ class CpuDecodeLayers:
                 spec.scale,
                 _gemm_kind(first.self_attn.qkv_proj),
                 first.self_attn.backend.cascade,
+                first.mlp.intermediate_size,
             )
             self._args = (weights, biases, windows, sizes)
         return self._args

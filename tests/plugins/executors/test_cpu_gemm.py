@@ -81,15 +81,21 @@ def test_the_panel_gemm_refuses_what_it_cannot_read() -> None:
         CpuLinear(nn.Linear(8, 8), "blocked")
 
 
+PANELS_BF16 = pytest.mark.skipif(
+    not cpu_gemm.panels_usable(torch.bfloat16), reason="no AVX512-BF16 panel GEMM here"
+)
+
+
 @BF16
-@pytest.mark.parametrize("layout", ["packed", "dense"])
-@pytest.mark.parametrize("rows", [1, 32, 300])
-def test_cpu_linear_in_bfloat16_sums_in_float32(layout: str, rows: int) -> None:
+@pytest.mark.parametrize("layout", [pytest.param("panels", marks=PANELS_BF16), "packed", "dense"])
+@pytest.mark.parametrize("rows", [1, 5, 32, 300])
+@pytest.mark.parametrize("in_features", [64, 33])
+def test_cpu_linear_in_bfloat16_sums_in_float32(layout: str, rows: int, in_features: int) -> None:
     torch.manual_seed(0)
-    linear = nn.Linear(64, 40, bias=True, dtype=torch.bfloat16)
+    linear = nn.Linear(in_features, 40, bias=True, dtype=torch.bfloat16)
     weight, bias = linear.weight.detach().float(), linear.bias.detach().float()
     layer = CpuLinear(linear, layout)
-    x = torch.randn(rows, 64).bfloat16()
+    x = torch.randn(rows, in_features).bfloat16()
     out = layer(x)
     assert out.dtype == torch.bfloat16
     # float32 sums of the bfloat16 products, one rounding: within a bfloat16 unit
@@ -116,10 +122,11 @@ def test_packed_mode_replaces_the_weight_and_onednn_mode_keeps_it() -> None:
         assert model[0].layout == (mode if cpu_gemm.panels_usable() else "packed")
         assert set(model.state_dict()) == {"0.bias", "2.0.bias"}
 
-    if cpu_gemm.onednn_usable(torch.bfloat16):  # panels leave bfloat16 to oneDNN
+    if cpu_gemm.onednn_usable(torch.bfloat16):  # without AVX512-BF16 panels leave it to oneDNN
         model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8, dtype=torch.bfloat16))
         assert use_cpu_linears(model, "panels") == 2
-        assert model[1].layout == "packed"
+        bf16_panels = cpu_gemm.panels_usable(torch.bfloat16)
+        assert model[1].layout == ("panels" if bf16_panels else "packed")
 
     model = nn.Sequential(nn.Linear(8, 16))
     assert use_cpu_linears(model, "plain") == 0
@@ -168,7 +175,7 @@ def test_the_executor_packs_every_gemm_by_default_and_matches_the_plain_one(
     layers = [m for m in default.model.modules() if isinstance(m, CpuLinear)]  # type: ignore[attr-defined]
     assert len(layers) == 2 * 4 + 1, "four linear layers per decoder layer and the LM head"
     assert all(layer.packed is not None for layer in layers)
-    panels = dtype == "float32" and cpu_gemm.panels_usable()
+    panels = cpu_gemm.panels_usable(getattr(torch, dtype))
     assert {layer.layout for layer in layers} == {"panels" if panels else "packed"}
     assert not any(isinstance(m, CpuLinear) for m in plain.model.modules())  # type: ignore[attr-defined]
     embedding = packed.model.embed_tokens.weight  # type: ignore[attr-defined]
