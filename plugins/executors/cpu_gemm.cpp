@@ -10,7 +10,9 @@
 // layout reached only about half of here). Rows are cut into tiles as even as possible (32
 // rows: 6, 6, 5, 5, 5, 5, not five 6s and a 2), larger batches are taken kBlockRows rows at a
 // time so their x rows stay in L2 while every panel of a thread passes, and the threads split
-// the panels (each its contiguous share, read once per row block).
+// the panels (each its contiguous share, read once per row block). Where a group of panels is
+// read by several row tiles (from L2 after the first), those tiles prefetch the next group, so
+// that memory streams it meanwhile: ~5-18% on SmolLM2's batch-32 decode (docs/benchmarks.md).
 //
 // Sums run along k in order, one chain per output: results equal F.linear's within float32
 // rounding, not bit for bit (MKL and oneDNN sum in blocks). bfloat16 is below (tile for
@@ -64,14 +66,32 @@ struct Gemm {
   int64_t rows, in_features, out_features;
 };
 
+// Cache lines a tile asks the L2 cache to fetch while it runs: the next panels' weights, so
+// that a group of panels read once per row tile (from L2 after the first) streams the next
+// group from memory meanwhile, instead of the first tile of each group waiting for it.
+struct Ahead {
+  const char* at = nullptr;
+  int64_t lines = 0;
+
+  // Lines [step * per_step, (step + 1) * per_step) of this tile's share, spread over its steps.
+  void fetch(int64_t step, int64_t per_step) const {
+    for (int64_t line = step * per_step; line < std::min(lines, (step + 1) * per_step); ++line) {
+      __builtin_prefetch(at + line * 64, 0, 2);
+    }
+  }
+  int64_t per_step(int64_t steps) const { return (lines + steps - 1) / steps; }
+};
+
 // Rows [row, row + R) of the output, panels [panel, panel + P).
 template <int R, int P>
-void tile(const Gemm<float>& g, int64_t row, int64_t panel) {
+void tile(const Gemm<float>& g, int64_t row, int64_t panel, Ahead ahead) {
   const int64_t K = g.in_features;
   const float* x = g.x + row * g.x_stride;
   const float* w = g.panels + panel * K * kLanes;
+  const int64_t per_step = ahead.per_step(K);
   vecf acc[R][P] = {};
   for (int64_t k = 0; k < K; ++k) {
+    ahead.fetch(k, per_step);
     vecf weight[P];
     for (int p = 0; p < P; ++p) weight[p] = load_vec(w + (p * K + k) * kLanes);
     for (int r = 0; r < R; ++r) {
@@ -106,7 +126,7 @@ void tile(const Gemm<float>& g, int64_t row, int64_t panel) {
 constexpr bool kBfloat16 = true;
 
 template <int R, int P>
-void tile(const Gemm<c10::BFloat16>& g, int64_t row, int64_t panel) {
+void tile(const Gemm<c10::BFloat16>& g, int64_t row, int64_t panel, Ahead ahead) {
   static_assert(kLanes == 16, "AVX512-BF16 vectors hold 16 floats");
   const int64_t K = g.in_features, pairs = (K + 1) / 2, whole = K / 2;
   const c10::BFloat16* x = g.x + row * g.x_stride;
@@ -115,8 +135,10 @@ void tile(const Gemm<c10::BFloat16>& g, int64_t row, int64_t panel) {
   for (int r = 0; r < R; ++r) {
     for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
   }
+  const int64_t per_step = ahead.per_step(pairs);
   // Pair i of every row: both halves from x, or (an odd K's last) the first and a zero.
   const auto step = [&](int64_t i, bool last_odd) {
+    ahead.fetch(i, per_step);
     __m512bh weight[P];
     for (int p = 0; p < P; ++p) {
       weight[p] = (__m512bh)_mm512_loadu_si512(w + (p * pairs + i) * 2 * kLanes);
@@ -155,7 +177,7 @@ constexpr bool kBfloat16 = false;
 #endif
 
 template <typename T>
-using TileFn = void (*)(const Gemm<T>&, int64_t, int64_t);
+using TileFn = void (*)(const Gemm<T>&, int64_t, int64_t, Ahead);
 
 template <typename T, int R, int... P>
 constexpr std::array<TileFn<T>, sizeof...(P)> tiles_of_rows(std::integer_sequence<int, P...>) {
@@ -175,16 +197,34 @@ constexpr auto kTiles = tile_table<T>(std::make_integer_sequence<int, kRows>{});
 // Panels [first, last) for every row, a thread's share.
 template <typename T>
 void run_panels(const Gemm<T>& g, int64_t first, int64_t last) {
+  // One panel's bytes: K (float32) or K rounded up to pairs (bfloat16) vectors of kLanes.
+  const int64_t depth = sizeof(T) == 2 ? (g.in_features + 1) / 2 * 2 : g.in_features;
+  const int64_t panel_bytes = depth * kLanes * static_cast<int64_t>(sizeof(T));
   for (int64_t block = 0; block < g.rows; block += kBlockRows) {
     const int64_t rows = std::min(kBlockRows, g.rows - block);
     const int64_t tiles = (rows + kRows - 1) / kRows;
     for (int64_t panel = first; panel < last; panel += kPanels) {
       const int64_t count = std::min<int64_t>(kPanels, last - panel);
+      // The next group of panels (this thread's, or its first for the next block of rows),
+      // prefetched in equal shares by this group's tiles; only where a group is read more than
+      // once (at one tile per group, i.e. up to kRows rows, it measured no faster: the
+      // hardware's own prefetch streams the panels being read).
+      const int64_t next = panel + count < last ? panel + count
+                           : block + kBlockRows < g.rows ? first
+                                                         : last;
+      const int64_t lines =
+          tiles > 1 && next < last
+              ? std::min<int64_t>(kPanels, last - next) * panel_bytes / 64
+              : 0;
+      const char* ahead = reinterpret_cast<const char*>(g.panels) + next * panel_bytes;
       // Tiles of rows / tiles rows, the first rows % tiles of them one row more.
       int64_t row = block;
       for (int64_t t = 0; t < tiles; ++t) {
         const int64_t height = rows / tiles + (t < rows % tiles ? 1 : 0);
-        kTiles<T>[height - 1][count - 1](g, row, panel);
+        const int64_t share = (lines + tiles - 1) / tiles;
+        const int64_t begin = std::min(lines, t * share);
+        const Ahead fetch{ahead + begin * 64, std::min(lines, begin + share) - begin};
+        kTiles<T>[height - 1][count - 1](g, row, panel, fetch);
         row += height;
       }
     }
