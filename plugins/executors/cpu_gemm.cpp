@@ -82,6 +82,27 @@ struct Ahead {
   int64_t per_step(int64_t steps) const { return (lines + steps - 1) / steps; }
 };
 
+// Rows [row, row + R) of one panel's output columns: sums(r) (row r's float32 sums) plus the
+// bias, stored as T (the last panel's padding columns dropped).
+template <int R, typename T, typename Sums>
+void store_panel(const Gemm<T>& g, int64_t row, int64_t panel, const Sums& sums) {
+  const int64_t column = panel * kLanes;
+  const int64_t width = std::min<int64_t>(kLanes, g.out_features - column);
+  vecf bias = {};
+  if (g.bias != nullptr) {
+    for (int64_t j = 0; j < width; ++j) bias[j] = static_cast<float>(g.bias[column + j]);
+  }
+  for (int r = 0; r < R; ++r) {
+    T* o = g.out + (row + r) * g.out_features + column;
+    const vecf result = sums(r) + bias;
+    if (width == kLanes) {
+      store_vec(o, result);
+    } else {
+      for (int64_t j = 0; j < width; ++j) o[j] = T(result[j]);
+    }
+  }
+}
+
 // Rows [row, row + R) of the output, panels [panel, panel + P).
 template <int R, int P>
 void tile(const Gemm<float>& g, int64_t row, int64_t panel, Ahead ahead) {
@@ -100,21 +121,7 @@ void tile(const Gemm<float>& g, int64_t row, int64_t panel, Ahead ahead) {
     }
   }
   for (int p = 0; p < P; ++p) {
-    const int64_t column = (panel + p) * kLanes;
-    const int64_t width = std::min<int64_t>(kLanes, g.out_features - column);
-    vecf bias = {};
-    if (g.bias != nullptr) {
-      for (int64_t j = 0; j < width; ++j) bias[j] = g.bias[column + j];
-    }
-    for (int r = 0; r < R; ++r) {
-      float* o = g.out + (row + r) * g.out_features + column;
-      const vecf result = acc[r][p] + bias;
-      if (width == kLanes) {
-        store_vec(o, result);
-      } else {
-        for (int64_t j = 0; j < width; ++j) o[j] = result[j];
-      }
-    }
+    store_panel<R>(g, row, panel + p, [&](int r) { return acc[r][p]; });
   }
 }
 
@@ -153,23 +160,11 @@ void tile(const Gemm<c10::BFloat16>& g, int64_t row, int64_t panel, Ahead ahead)
   for (int64_t i = 0; i < whole; ++i) step(i, false);
   if (pairs > whole) step(whole, true);
   for (int p = 0; p < P; ++p) {
-    const int64_t column = (panel + p) * kLanes;
-    const int64_t width = std::min<int64_t>(kLanes, g.out_features - column);
-    vecf bias = {};
-    if (g.bias != nullptr) {
-      for (int64_t j = 0; j < width; ++j) bias[j] = static_cast<float>(g.bias[column + j]);
-    }
-    for (int r = 0; r < R; ++r) {
-      c10::BFloat16* o = g.out + (row + r) * g.out_features + column;
+    store_panel<R>(g, row, panel + p, [&](int r) {
       vecf sums;
       std::memcpy(&sums, &acc[r][p], sizeof(sums));
-      const vecf result = sums + bias;
-      if (width == kLanes) {
-        store_vec(o, result);
-      } else {
-        for (int64_t j = 0; j < width; ++j) o[j] = c10::BFloat16(result[j]);
-      }
-    }
+      return sums;
+    });
   }
 }
 #else
@@ -218,10 +213,10 @@ void run_panels(const Gemm<T>& g, int64_t first, int64_t last) {
               : 0;
       const char* ahead = reinterpret_cast<const char*>(g.panels) + next * panel_bytes;
       // Tiles of rows / tiles rows, the first rows % tiles of them one row more.
+      const int64_t share = (lines + tiles - 1) / tiles;  // of the lines, per tile
       int64_t row = block;
       for (int64_t t = 0; t < tiles; ++t) {
         const int64_t height = rows / tiles + (t < rows % tiles ? 1 : 0);
-        const int64_t share = (lines + tiles - 1) / tiles;
         const int64_t begin = std::min(lines, t * share);
         const Ahead fetch{ahead + begin * 64, std::min(lines, begin + share) - begin};
         kTiles<T>[height - 1][count - 1](g, row, panel, fetch);
