@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from brigade.interfaces import AttentionBackend, AttentionLayer, ModelInput, NoOptions
-from brigade.model_input import SeqChunk, build_model_input, model_input_to
+from brigade.model_input import SeqChunk, build_model_input
 from brigade.plugins.attention.sdpa import SdpaBackend
 from brigade.plugins.attention.triton_backend import TritonBackend, triton_interpreting
 
@@ -63,7 +63,7 @@ def make_case(
     for (new, cached), count in zip(rows, pages_per_row, strict=True):
         chunks.append(SeqChunk([0] * new, cached, order[start : start + count]))
         start += count
-    batch = model_input_to(build_model_input(chunks, PAGE_SIZE), device)
+    batch = build_model_input(chunks, PAGE_SIZE).to(device)
     tokens = batch.num_tokens
     pool = (len(order), PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM)
     return Case(
