@@ -31,6 +31,7 @@ def make_executor(
     fused: bool = True,
     fused_decode: bool = True,
     dtype: str = "float32",
+    kv_prefault: bool = True,
 ) -> TorchExecutor:
     params = ExecutorParams(
         model_path=str(directory),
@@ -54,6 +55,7 @@ def make_executor(
             cpu_linear=cpu_linear,
             fused_ops=fused,
             fused_decode=fused_decode,
+            kv_prefault=kv_prefault,
         ),
     )
     executor.initialize_kv_cache(NUM_PAGES)

@@ -37,8 +37,10 @@ def test_compiling_happens_at_start_and_leaves_the_pool_clean(
     assert "compiled the forward in" in caplog.text
     assert executor.compiled is not None
     assert executor.compiled.failed is None
-    assert executor._unzeroed is not None
-    assert bool(executor._unzeroed[0]), "the warm-up's page must be zeroed before a request uses it"
+    assert executor._unzeroed is None  # the pool was zeroed at start ([executor] kv_prefault)
+    for key_cache, value_cache in executor.kv_caches:
+        assert not key_cache[0].any(), "the warm-up's page must be zeroed before a request uses it"
+        assert not value_cache[0].any()
     # A request on page 0 right after the warm-up sees only its own keys.
     eager = make_executor(model_dir)
     batch = build_model_input([SeqChunk(list(range(3, 9)), 0, [0, 1], "all")], PAGE_SIZE)

@@ -79,10 +79,9 @@ def executors(model: Path, num_pages: int = 64) -> tuple[TorchExecutor, Imitated
     )
     for executor in (eager, graphed):
         executor.initialize_kv_cache(num_pages)
-        # Zero the whole pool now (CPU pools are zeroed lazily), so the pools of the two
-        # executors can be compared page for page, the scratch page included.
-        assert executor._unzeroed is not None
-        executor._unzeroed[:] = False
+        # Zero the whole pool again after the warm-up and the captures, so the pools of the
+        # two executors can be compared page for page, the scratch page included.
+        assert executor._unzeroed is None  # committed at start ([executor] kv_prefault)
         for pool in executor.kv_caches:
             pool[0].zero_()
             pool[1].zero_()
