@@ -4,6 +4,8 @@ faulted in lazily when told."""
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import platform
 import resource
 from pathlib import Path
@@ -70,13 +72,21 @@ def test_a_range_advised_before_its_first_touch_gets_huge_pages() -> None:
     assert not advise_huge_pages(4096, 4096), "no whole huge page inside: nothing to advise"
     if _thp_mode() not in ("always", "madvise"):
         pytest.skip(f"transparent huge pages are {_thp_mode() or 'not built'} here")
-    pool = torch.empty(16 << 20, dtype=torch.uint8)  # untouched: fresh pages of the heap or mmap
-    assert advise_huge_pages(pool.data_ptr(), pool.nbytes)
+    # A fresh private anonymous mapping (what malloc maps): untouched, whatever malloc kept
+    # from earlier tests.
+    region = mmap.mmap(-1, 16 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buffer = ctypes.c_char.from_buffer(region)
+    address = ctypes.addressof(buffer)
+    assert advise_huge_pages(address, 16 << 20)
     fallbacks = _thp_fallbacks()
-    pool.zero_()
-    if _huge_kib_at(pool.data_ptr() + (8 << 20)) == 0 and _thp_fallbacks() > fallbacks:
+    pool = torch.frombuffer(region, dtype=torch.uint8)
+    pool.fill_(1)  # the first touch
+    huge = _huge_kib_at(address + (8 << 20))
+    del pool, buffer
+    region.close()
+    if huge == 0 and _thp_fallbacks() > fallbacks:
         pytest.skip("the kernel had no free huge page at the fault (thp_fault_fallback)")
-    assert _huge_kib_at(pool.data_ptr() + (8 << 20)) >= 2048
+    assert huge >= 2048
 
 
 def test_the_cpu_kv_pool_is_committed_at_start_unless_told_to_fault_it_in_lazily(
