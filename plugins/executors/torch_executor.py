@@ -327,13 +327,12 @@ class TorchExecutor(Executor):
             self._allocate_kv_cache(num_pages, num_host_pages)
 
     def _allocate_kv_cache(self, num_pages: int, num_host_pages: int) -> None:
-        on_cpu = self.device.type == "cpu"
-        lazy = on_cpu and not self._prefault
+        lazy = self.device.type == "cpu" and not self._prefault
         started = time.perf_counter()
         for index in range(len(self.model.attention_layers)):
             shape = self._layer_shape(num_pages, index)
-            self.kv_caches.append((self._new_pool(shape, lazy), self._new_pool(shape, lazy)))
-        if on_cpu and not lazy:
+            self.kv_caches.append((self._new_pool(shape), self._new_pool(shape)))
+        if self.device.type == "cpu" and self._prefault:
             size = sum(k.nbytes + v.nbytes for k, v in self.kv_caches) / 2**30
             logger.info(
                 "KV pool: %.2f GiB committed in %.1f s", size, time.perf_counter() - started
@@ -352,13 +351,13 @@ class TorchExecutor(Executor):
                 )
             )
 
-    def _new_pool(self, shape: tuple[int, ...], lazy: bool) -> torch.Tensor:
-        """One layer's K or V pool: zeroed on CUDA; on a CPU left unzeroed when ``lazy``, else
-        advised onto huge pages before its first touch and zeroed (committed) now."""
+    def _new_pool(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """One layer's K or V pool: zeroed on CUDA; on a CPU with ``kv_prefault`` advised onto
+        huge pages before its first touch and zeroed (committed) now, else left unzeroed."""
         if self.device.type != "cpu":
             return torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
         pool = torch.empty(shape, dtype=self.kv_cache_dtype)
-        if not lazy:
+        if self._prefault:
             advise_huge_pages(pool.data_ptr(), pool.nbytes)
             pool.zero_()
         return pool
