@@ -130,8 +130,31 @@ def check_config(
                 f"{config.source}: [kv] page_size = {page_size} cannot be used by {what} "
                 f"{chosen.plugin!r}; it needs {rule.describe()}"
             )
+    _check_speculative(config, registry)
     notes.append(f"model: {_check_model(config, registry, checkpoint)}")
     return notes
+
+
+def _check_speculative(config: EngineConfig, registry: Registry) -> None:
+    """A proposer needs a KV manager that reserves pages for drafts and an executor that
+    returns logits to verify them with."""
+    proposer = config["speculative"].plugin
+    if proposer is None:
+        return
+    where = f"{config.source} [speculative] plugin = {proposer!r}"
+    kv = registry.get("kv", config.plugin("kv")).factory
+    if not getattr(kv, "supports_draft_tokens", False):
+        raise ConfigError(
+            f"{where}: the KV manager {config.plugin('kv')!r} reserves no pages for draft "
+            "tokens (KVManager.supports_draft_tokens); use kv 'paged' or 'radix', or turn "
+            "speculation off"
+        )
+    executor = registry.get("executor", config.plugin("executor")).factory
+    if getattr(executor, "returns_token_ids", False):
+        raise ConfigError(
+            f"{where}: the executor {config.plugin('executor')!r} returns token ids, not the "
+            "logits that verify drafts; turn speculation off with it"
+        )
 
 
 def _check_model(config: EngineConfig, registry: Registry, checkpoint: Checkpoint | None) -> str:

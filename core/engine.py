@@ -28,6 +28,7 @@ from brigade.interfaces import (
     KVPoolParams,
     LogitsProcessor,
     PoolingParams,
+    ProposerParams,
     Request,
     RequestStatus,
     Sampler,
@@ -42,6 +43,7 @@ from brigade.pooling import Pooler
 from brigade.registry import Registry
 from brigade.sampling_stage import SampledTokens, SamplingStage, TokenLogprob, describe
 from brigade.scheduling import BatchScheduler
+from brigade.speculative import Speculation, SpeculativeStats, Verified, verify
 from brigade.swap import SwapSpace
 
 __all__ = ["EngineCore", "EngineStats", "StepUpdate", "TokenLogprob"]
@@ -69,6 +71,8 @@ class EngineStats:
     num_pages: int
     mean_queue_time_s: float
     """Mean time from arrival to first scheduled step, over requests scheduled so far."""
+    speculative: SpeculativeStats | None = None
+    """Speculative decoding's counters; None when it is off."""
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -228,6 +232,29 @@ class EngineCore:
             self.device,
             self.vocab_size,
         )
+        self.speculation: Speculation | None = None
+        """Speculative decoding (``[speculative] plugin``); None when it is off."""
+        speculative = config["speculative"]
+        if speculative.plugin is not None:
+            spec_settings = speculative.settings
+            proposer = registry.get("proposer", speculative.plugin).factory(
+                ProposerParams(
+                    spec_settings.num_speculative_tokens,
+                    self.vocab_size,
+                    settings.max_num_seqs,
+                    self.max_model_len,
+                    checkpoint=self.checkpoint,
+                ),
+                speculative.options,
+            )
+            self.speculation = Speculation(
+                proposer,
+                speculative.plugin,
+                spec_settings,
+                vocab_size=self.vocab_size,
+                max_model_len=self.max_model_len,
+                processors=self.processors,
+            )
         self.pooler = Pooler()
         self._pending: list[StepUpdate] = []
         """Updates made outside a step's own rows (refused or failed requests), for its output."""
@@ -397,6 +424,7 @@ class EngineCore:
             num_free_pages=kv.num_free_pages,
             num_pages=kv.num_pages,
             mean_queue_time_s=self._queue_time_total / max(1, self._num_scheduled),
+            speculative=None if self.speculation is None else self.speculation.stats(),
         )
 
     # -- the step -----------------------------------------------------------------------
@@ -431,8 +459,11 @@ class EngineCore:
     def _step(self) -> list[StepUpdate]:
         if self._num_compiling():
             self._queue_compiled()
+        if self.speculation is not None:
+            self.speculation.propose(self.scheduler.running)
         output = self.scheduler.schedule()
         for request in output.preempted:
+            request.draft_token_ids = []
             if request in self.batch:
                 self._release_row(request)
         self._copy_swapped_pages(output)
@@ -480,7 +511,7 @@ class EngineCore:
             return SampledTokens(result.tolist(), None, {})
         # Recomputing reruns the same forward pass, which rewrites the same KV entries.
         return self.sampling.sample(
-            result, plan.sampled_rows, lambda: self.executor.execute(plan.model_input)
+            result, plan.logits_rows, lambda: self.executor.execute(plan.model_input)
         )
 
     def _account(
@@ -492,45 +523,57 @@ class EngineCore:
     ) -> list[StepUpdate]:
         """Append the sampled tokens, pool the embeddings, finish requests, tell the scheduler
         and the KV manager."""
-        requests, rows, tokens = plan.sampled, plan.sampled_rows, sampled.token_ids
-        logprobs = sampled.logprobs
-        failed = {requests[index]: error for index, error in sampled.failures.items()}
+        requests, rows = plan.sampled, plan.sampled_rows
+        verified: list[Verified] | None = None
+        if plan.draft_counts:
+            tokens, logprobs, failures, verified = self._verify(plan, sampled)
+        else:
+            tokens = [[token] for token in sampled.token_ids]
+            logprobs = None if sampled.logprobs is None else [[lp] for lp in sampled.logprobs]
+            failures = sampled.failures
+        failed = {requests[index]: error for index, error in failures.items()}
         updates: list[StepUpdate] = []
         finished: list[Request] = []
         if plan.pooled:
             self._pool(plan, hidden, updates, finished, failed)
         if failed:  # rare: take the failed rows out of the step
-            keep = [i for i in range(len(requests)) if i not in sampled.failures]
+            keep = [i for i in range(len(requests)) if i not in failures]
             requests = tuple(requests[i] for i in keep)
             rows, tokens = [rows[i] for i in keep], [tokens[i] for i in keep]
             logprobs = None if logprobs is None else [logprobs[i] for i in keep]
+            verified = None if verified is None else [verified[i] for i in keep]
         if requests:
-            positions = [request.num_tokens for request in requests]
-            self.batch.append_tokens(rows, positions, tokens)
-            rejected = self.sampling.accept(rows, tokens)
+            rejected = self._record_tokens(requests, rows, tokens)
             # Rows whose grammar is complete: nothing but a stop token could follow.
             grammar = self.grammar
             complete = self.sampling.finished_rows(grammar) if grammar is not None else set()
-            for index, (request, token) in enumerate(zip(requests, tokens, strict=True)):
+            for index, (request, new) in enumerate(zip(requests, tokens, strict=True)):
                 if index in rejected:
                     failed[request] = rejected[index]
                     continue
-                request.output_token_ids.append(token)
-                status = self._finish_status(request, token)
+                status = None
+                emitted = 0
+                for token in new:  # several with accepted drafts; a stop ends them
+                    request.output_token_ids.append(token)
+                    emitted += 1
+                    status = self._finish_status(request, token)
+                    if status is not None:
+                        break
                 if status is None and rows[index] in complete:
                     status = RequestStatus.FINISHED_STOPPED
                 if status is not None:
                     request.status = status
                     finished.append(request)
-                row_logprobs = None if logprobs is None else logprobs[index]
                 updates.append(
                     StepUpdate(
                         request,
-                        [token],
-                        None if row_logprobs is None else [row_logprobs],
+                        new if emitted == len(new) else new[:emitted],
+                        _asked(logprobs[index][:emitted]) if logprobs is not None else None,
                         status is not None,
                     )
                 )
+        if verified is not None:
+            output = self._observe_drafts(output, requests, verified, failed)
         for request, error in failed.items():
             self._fail(request, error)
         if failed:
@@ -546,6 +589,94 @@ class EngineCore:
             return updates
         pending.extend(updates)
         return pending
+
+    def _verify(
+        self, plan: StepPlan, sampled: SampledTokens
+    ) -> tuple[
+        list[list[int]],
+        list[list[TokenLogprob | None]] | None,
+        dict[int, str],
+        list[Verified],
+    ]:
+        """Per sampled request: the tokens it emits (accepted drafts, then the next sampled
+        one), their logprobs, why it failed (its emitted position failed) and the verdict."""
+        tokens: list[list[int]] = []
+        logprobs: list[list[TokenLogprob | None]] | None = None if sampled.logprobs is None else []
+        failures: dict[int, str] = {}
+        verified: list[Verified] = []
+        offset = 0
+        for index, (request, num_drafts) in enumerate(
+            zip(plan.sampled, plan.draft_counts, strict=True)
+        ):
+            samples = sampled.token_ids[offset : offset + 1 + num_drafts]
+            verdict = verify(samples, request.draft_token_ids[:num_drafts])
+            last = offset + verdict.num_accepted  # a failed row never equals a draft
+            if last in sampled.failures:
+                failures[index] = sampled.failures[last]
+            tokens.append(verdict.token_ids)
+            if logprobs is not None:
+                assert sampled.logprobs is not None
+                logprobs.append(sampled.logprobs[offset : last + 1])
+            verified.append(verdict)
+            offset += 1 + num_drafts
+        return tokens, logprobs, failures, verified
+
+    def _record_tokens(
+        self, requests: Sequence[Request], rows: list[int], tokens: list[list[int]]
+    ) -> dict[int, str]:
+        """Write the step's tokens to the batch and give them to the logits processors;
+        index of a request a processor failed for -> why."""
+        if all(len(new) == 1 for new in tokens):
+            firsts = [new[0] for new in tokens]
+            self.batch.append_tokens(rows, [request.num_tokens for request in requests], firsts)
+            return self.sampling.accept(rows, firsts)
+        flat_rows: list[int] = []
+        positions: list[int] = []
+        flat_tokens: list[int] = []
+        for row, request, new in zip(rows, requests, tokens, strict=True):
+            flat_rows.extend([row] * len(new))
+            positions.extend(range(request.num_tokens, request.num_tokens + len(new)))
+            flat_tokens.extend(new)
+        self.batch.append_tokens(flat_rows, positions, flat_tokens)
+        rejected: dict[int, str] = {}
+        for position in range(max(map(len, tokens))):  # one batch call per position
+            indices = [i for i, new in enumerate(tokens) if len(new) > position]
+            failures = self.sampling.accept(
+                [rows[i] for i in indices], [tokens[i][position] for i in indices]
+            )
+            for subset_index, error in failures.items():
+                rejected.setdefault(indices[subset_index], error)
+        return rejected
+
+    def _observe_drafts(
+        self,
+        output: SchedulerOutput,
+        requests: Sequence[Request],
+        verified: list[Verified],
+        failed: Mapping[Request, str],
+    ) -> SchedulerOutput:
+        """Tell the speculation station what was accepted; the step's plan with each
+        speculating request computing only its accepted drafts (the rest of its KV is
+        rewritten by later steps)."""
+        assert self.speculation is not None
+        accepted: dict[int, int] = {}
+        for request, verdict in zip(requests, verified, strict=True):
+            if verdict.num_drafts and request not in failed:
+                self.speculation.observe(request, verdict)
+                accepted[id(request)] = verdict.num_accepted
+        scheduled = tuple(
+            dataclasses.replace(
+                item,
+                num_new_tokens=item.num_new_tokens
+                - item.num_draft_tokens
+                + accepted[id(item.request)],
+                num_draft_tokens=accepted[id(item.request)],
+            )
+            if item.num_draft_tokens and id(item.request) in accepted
+            else item
+            for item in output.scheduled
+        )
+        return dataclasses.replace(output, scheduled=scheduled)
 
     def _pool(
         self,
@@ -652,6 +783,8 @@ class EngineCore:
         """A request is done (finished, aborted or failed): forget it everywhere."""
         if request in self.batch:
             self._release_row(request)
+        if self.speculation is not None:
+            self.speculation.remove(request)
         self._forget(request)
         if self.hook is not None:
             notify_request_finished(self.hook, request)
@@ -663,6 +796,13 @@ class EngineCore:
         self._generators.pop(request.request_id, None)
         if self.grammar is not None:
             self.grammar.drop(request)
+
+
+def _asked(logprobs: list[TokenLogprob | None]) -> list[TokenLogprob] | None:
+    """A request's logprobs for its new tokens; None when it did not ask for them."""
+    if logprobs[0] is None:
+        return None
+    return logprobs  # type: ignore[return-value]  # a request asks for all or none
 
 
 def _without(output: SchedulerOutput, requests: Collection[Request]) -> SchedulerOutput:

@@ -159,6 +159,10 @@ class GrammarManager(LogitsProcessor):
     def is_active(self) -> bool:
         return bool(self._rows)
 
+    def is_position_independent(self, request: Request) -> bool:
+        """True for a request without structured output (its rows are left alone)."""
+        return request.sampling_params.structured_output is None
+
     # -- the step -----------------------------------------------------------------------
 
     def begin_step(self, rows: Sequence[int]) -> None:
@@ -168,6 +172,8 @@ class GrammarManager(LogitsProcessor):
         if not indices:
             self._step = None
             return
+        if len(rows) > self._bitmask.shape[0]:  # speculating rows sample several positions
+            self._bitmask = torch.full((len(rows), self._bitmask.shape[1]), -1, dtype=torch.int32)
         bitmask = self._bitmask[: len(rows)]
         for index in indices:
             matchers[rows[index]].fill_bitmask(self._bitmask, index)

@@ -50,6 +50,20 @@ class StepPlan:
     """Their persistent rows."""
     pooled: tuple[PooledChunk, ...] = ()
     """Embedding requests in the step, in hidden-row order (``model_input.hidden_indices``)."""
+    draft_counts: tuple[int, ...] = ()
+    """Speculative decoding: per sampled request, its draft tokens in this step (its logits
+    rows are its last token's and one per draft, in order); empty when no request has any."""
+
+    @property
+    def logits_rows(self) -> list[int]:
+        """The persistent row of each logits row (a speculating request's, once per position)."""
+        if not self.draft_counts:
+            return self.sampled_rows
+        return [
+            row
+            for row, drafts in zip(self.sampled_rows, self.draft_counts, strict=True)
+            for _ in range(1 + drafts)
+        ]
 
 
 class PersistentBatch:
@@ -104,7 +118,8 @@ class PersistentBatch:
     def append_tokens(
         self, rows: Sequence[int], positions: Sequence[int], tokens: list[int]
     ) -> None:
-        """Record one sampled token per row at its position (one vectorised write)."""
+        """Record sampled tokens: ``tokens[i]`` at ``positions[i]`` of ``rows[i]`` (one
+        vectorised write; a row may appear once per token it gained)."""
         self.token_ids[list(rows), list(positions)] = torch.tensor(tokens, dtype=torch.int64)
 
     def prepare(self, scheduled: Sequence[ScheduledRequest], kv: KVManager) -> StepPlan:
@@ -116,18 +131,23 @@ class PersistentBatch:
         logits_rows: list[int] = []
         pooled: list[PooledChunk] = []
         hidden_rows: list[int] = []
+        draft_counts: list[int] = []
         num_decodes, token_offset = 0, 0
         for item in sorted(scheduled, key=_prefill_last):
-            request, num_new = item.request, item.num_new_tokens
+            request, num_new, num_drafts = item.request, item.num_new_tokens, item.num_draft_tokens
             row = self.rows[request.request_id]
             self._sync_pages(row, kv.block_table(request))
+            if num_drafts:  # verified after the last token: their ids go where they would be
+                drafts = request.draft_token_ids[:num_drafts]
+                start = request.num_tokens
+                self.token_ids[row, start : start + num_drafts] = torch.tensor(drafts)
             rows.append(row)
             computed.append(request.num_computed_tokens)
             counts.append(num_new)
             if item.is_decode:
                 num_decodes += 1
             token_offset += num_new
-            completes = request.num_computed_tokens + num_new == request.num_tokens
+            completes = request.num_computed_tokens + num_new == request.num_tokens + num_drafts
             if request.pooling is not None:
                 if request.pooling.needs_every_position:
                     hidden_rows.extend(range(token_offset - num_new, token_offset))
@@ -138,7 +158,11 @@ class PersistentBatch:
             elif completes:
                 sampled.append(request)
                 sampled_rows.append(row)
-                logits_rows.append(token_offset - 1)
+                draft_counts.append(num_drafts)
+                if num_drafts:
+                    logits_rows.extend(range(token_offset - 1 - num_drafts, token_offset))
+                else:
+                    logits_rows.append(token_offset - 1)
         row_index = torch.tensor(rows, dtype=torch.int64)
         num_computed = torch.tensor(computed, dtype=torch.int64)
         query_lens = torch.tensor(counts, dtype=torch.int64)
@@ -173,7 +197,13 @@ class PersistentBatch:
             page_size=self.page_size,
             hidden_indices=torch.tensor(hidden_rows, dtype=torch.int64) if hidden_rows else None,
         )
-        return StepPlan(model_input, tuple(sampled), sampled_rows, tuple(pooled))
+        return StepPlan(
+            model_input,
+            tuple(sampled),
+            sampled_rows,
+            tuple(pooled),
+            tuple(draft_counts) if any(draft_counts) else (),
+        )
 
     def sampling_batch(self, rows: list[int], device: torch.device) -> SamplingBatch:
         """Gather the sampled rows' parameters (host flags, device tensors)."""

@@ -38,6 +38,11 @@ class SchedulerStats:
 class BatchScheduler:
     """Plans each step: running requests first (decodes and prefill chunks), then admissions.
 
+    A running request whose next token is a decode and that carries draft tokens
+    (``request.draft_token_ids``, speculative decoding) gets as many of them as the budget
+    leaves, after its decode token (``ScheduledRequest.num_draft_tokens``); when the KV pool
+    cannot hold them it decodes without them before anyone is preempted.
+
     Running requests are served in the policy's order (:meth:`SchedulingPolicy.order_running`,
     admission order by default); a request that cannot grow preempts victims chosen by the
     policy until it fits, or is preempted itself. Waiting requests are admitted in the
@@ -145,7 +150,13 @@ class BatchScheduler:
             num_new = self._num_new_tokens(request, budget)
             if num_new == 0:
                 continue
+            num_drafts = self._num_drafts(request, num_new, budget)
+            num_new += num_drafts
             while self.kv.allocate(request, num_new) is None:
+                if num_drafts:  # no room to verify drafts: decode one token, preempt nobody
+                    num_new -= num_drafts
+                    num_drafts = 0
+                    continue
                 candidates = [request, *unscheduled]  # serving order
                 victim = self.policy.choose_victim(candidates)
                 _check_victim(self.policy, "choose_victim", victim, candidates)
@@ -155,7 +166,7 @@ class BatchScheduler:
                     break
                 unscheduled.remove(victim)
             else:
-                scheduled.append(ScheduledRequest(request, num_new))
+                scheduled.append(ScheduledRequest(request, num_new, num_drafts))
                 budget -= num_new
         if not preempted:
             budget = self._admit(budget, scheduled, preempted)
@@ -283,6 +294,15 @@ class BatchScheduler:
         if remaining > budget and not self.params.enable_chunked_prefill:
             return 0
         return min(remaining, budget)
+
+    @staticmethod
+    def _num_drafts(request: Request, num_new: int, budget: int) -> int:
+        """Draft tokens a running request verifies after its decode token, within the budget
+        (none for a prefill chunk: drafts follow a request's last token only)."""
+        drafts = len(request.draft_token_ids)
+        if not drafts or num_new != 1 or request.num_computed_tokens != request.num_tokens - 1:
+            return 0
+        return min(drafts, budget - 1)
 
     def _preempt(self, request: Request) -> None:
         """Take the request's pages; it goes back to the policy's queue with its tokens.

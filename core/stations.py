@@ -15,6 +15,7 @@ __all__ = [
     "SamplerSettings",
     "SchedulerSettings",
     "ServerSettings",
+    "SpeculativeSettings",
     "Station",
 ]
 
@@ -78,6 +79,25 @@ class SchedulerSettings:
         help="what a preempted request loses: its pages (recompute) or nothing (swap to "
         "host memory; recompute when the host pool is full)",
         choices=("recompute", "swap"),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeSettings:
+    num_speculative_tokens: int = option(
+        5, help="most draft tokens one request verifies in one step (k)", ge=1, le=64
+    )
+    max_batch_size: int = option(
+        8,
+        help="speculate only in steps where at most this many requests run: a larger batch "
+        "already keeps the CPU or GPU busy, and verifying drafts would slow it down",
+        ge=1,
+    )
+    adaptive: bool = option(
+        True,
+        help="per-request draft length: after a step that rejected a draft a request proposes "
+        "at most accepted + 1 tokens, and one more after each step that accepted them all, "
+        "up to num_speculative_tokens; false = always num_speculative_tokens",
     )
 
 
@@ -217,6 +237,14 @@ STATIONS: dict[str, Station] = {
             "fcfs",
             SchedulerSettings,
             "Who runs each step, under one token budget.",
+        ),
+        Station(
+            "speculative",
+            "proposer",
+            None,
+            SpeculativeSettings,
+            "Speculative decoding: a proposer drafts tokens, one step verifies them exactly. "
+            "Off unless `plugin` names a proposer.",
         ),
         Station("executor", "executor", "torch", NoSettings, "Runs the forward pass."),
         Station("attention", "attention", "sdpa", NoSettings, "Reads and writes the paged KV."),

@@ -15,6 +15,7 @@ kind               contract                             factory is called as
 ``grammar``        :class:`GrammarBackend`              ``factory(grammar_params, options)``
 ``detokenizer``    :class:`Detokenizer`                 ``factory(tokenizer, options)``
 ``model``          :class:`ModelArchitecture`           ``factory()``; named by HF architecture
+``proposer``       :class:`Proposer`                    ``factory(proposer_params, options)``
 =================  ===================================  ==========================================
 
 :data:`API_VERSION` versions these contracts. A plugin may declare the version it was built
@@ -36,6 +37,7 @@ from brigade.interfaces.hookspecs import BrigadeHookSpec, ComponentRegistry, hoo
 from brigade.interfaces.kv import Allocation, KVManager, KVPoolParams, KVStats
 from brigade.interfaces.model import CausalLM, Checkpoint, ModelArchitecture, SplitCausalLM
 from brigade.interfaces.options import NoOptions, option
+from brigade.interfaces.proposer import DraftSlot, Proposer, ProposerParams
 from brigade.interfaces.request import (
     EMPTY_EXTRA,
     ExtraValue,
@@ -63,7 +65,7 @@ from brigade.interfaces.sampling import (
 )
 from brigade.interfaces.scheduler import SchedulerParams, SchedulerView, SchedulingPolicy
 
-API_VERSION = "2.3"
+API_VERSION = "2.4"
 """The plugin API version, "MAJOR.MINOR". MINOR grows when contracts gain backwards-compatible
 additions (a new optional method, a new field with a default): a plugin built for 2.0 runs on
 2.1, one built for 2.1 is refused by 2.0. MAJOR grows on any change that can break an existing
@@ -80,6 +82,7 @@ COMPONENT_KINDS: dict[str, type] = {
     "detokenizer": Detokenizer,
     "model": ModelArchitecture,
     "router": Router,
+    "proposer": Proposer,
 }
 """Every component kind and the contract its implementations fulfil."""
 
@@ -94,6 +97,7 @@ FACTORY_ARGUMENTS: dict[str, tuple[str, ...]] = {
     "detokenizer": ("tokenizer", "options"),
     "model": (),
     "router": ("router_params", "options"),
+    "proposer": ("proposer_params", "options"),
 }
 """How core calls each kind's factory (positional arguments, in order)."""
 
@@ -129,6 +133,7 @@ __all__ = [
     "ComponentRegistry",
     "ConfigError",
     "Detokenizer",
+    "DraftSlot",
     "Executor",
     "ExecutorParams",
     "ExtraValue",
@@ -145,6 +150,8 @@ __all__ = [
     "ModelLoadError",
     "NoOptions",
     "PageSizeRule",
+    "Proposer",
+    "ProposerParams",
     "Request",
     "RequestError",
     "ReplicaLoad",

@@ -59,6 +59,12 @@ class KVManager(abc.ABC):
     supports_partial_page_reuse = False
     """True when prefix hits may end mid-page (token-granular reuse)."""
 
+    supports_draft_tokens = False
+    """True when :meth:`allocate` reserves room for a running request's draft tokens (API
+    2.4): its cap is then ``request.num_tokens + len(request.draft_token_ids)`` instead of
+    ``request.num_tokens``. Speculative decoding needs it; ``config check`` refuses a
+    ``[speculative]`` proposer next to a manager without it."""
+
     @classmethod
     def supported_page_sizes(cls, options: Any) -> PageSizeRule:
         """Page sizes this manager works with (``config check`` rejects others)."""
@@ -77,7 +83,9 @@ class KVManager(abc.ABC):
         request whose ``uses_prefix_cache`` is False (API 2.1: an embedding that pools every
         position; core fails such a request if it is matched). It then reserves
         pages so that the first ``min(num_computed_tokens + num_cached + num_new_tokens,
-        request.num_tokens)`` tokens fit. The caller (the scheduler) adds
+        request.num_tokens)`` tokens fit (``request.num_tokens + len(request.draft_token_ids)``
+        with :attr:`supports_draft_tokens`; the pages of drafts that were rejected are kept and
+        rewritten by the next step). The caller (the scheduler) adds
         ``Allocation.num_cached_tokens`` to ``request.num_computed_tokens``. None means no
         room: nothing observable changed (pages, locks, stats, request fields).
         """

@@ -142,6 +142,12 @@ class Request:
     pooling: PoolingParams | None = None
     """Set for an embedding request (API 2.1): its prompt is run, no token is sampled, and it
     finishes with a vector pooled from its hidden states. None for generation."""
+    draft_token_ids: list[int] = dataclasses.field(default_factory=list)
+    """Speculative decoding (API 2.4): tokens a proposer guessed to follow the last one,
+    written by core before a step is scheduled and cleared after it. The scheduler may give a
+    running request whose next token is a decode up to ``len(draft_token_ids)`` more tokens
+    (``ScheduledRequest.num_draft_tokens``), and a KV manager with ``supports_draft_tokens``
+    reserves pages for them. Empty when the request does not speculate."""
 
     def __post_init__(self) -> None:
         if self.extra is not EMPTY_EXTRA:
@@ -183,6 +189,10 @@ class ScheduledRequest:
 
     request: Request
     num_new_tokens: int
+    num_draft_tokens: int = 0
+    """Of ``num_new_tokens``, how many are the request's first draft tokens (speculative
+    decoding, API 2.4): the step computes its last token and these drafts, and samples at
+    each of their positions to verify them."""
 
     @property
     def is_decode(self) -> bool:

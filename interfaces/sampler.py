@@ -136,6 +136,14 @@ class LogitsProcessor(abc.ABC):
     def accept(self, row: int, token_ids: Sequence[int]) -> None:  # noqa: B027 - optional
         """Record tokens accepted for ``row``; stages that track no tokens ignore this."""
 
+    def is_position_independent(self, request: Request) -> bool:
+        """True when what :meth:`apply` does to ``request``'s row does not depend on the tokens
+        it accepts from now on (API 2.4): one application is then right at every position of
+        a step that verifies its draft tokens (speculative decoding), and core lets it
+        speculate only when every stage answers True. Default: ``not needs_tokens``; a stage
+        that tracks tokens answers True for requests it leaves alone (no penalty, say)."""
+        return not self.needs_tokens
+
     def rollback(self, row: int, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` accepted tokens (speculative decoding)."""
         raise NotImplementedError(f"{type(self).__name__} does not support rollback")

@@ -17,6 +17,8 @@ from brigade.plugins.grammar.xgrammar import XGrammarBackend, XGrammarOptions
 from brigade.plugins.kv.paged import PagedKVManager, PagedKVOptions
 from brigade.plugins.kv.radix import RadixKVManager, RadixKVOptions
 from brigade.plugins.models.architectures import ARCHITECTURES
+from brigade.plugins.proposers.ngram import NgramOptions, NgramProposer
+from brigade.plugins.proposers.suffix import SuffixOptions, SuffixProposer
 from brigade.plugins.routers.builtin import (
     CacheAwareOptions,
     CacheAwareRouter,
@@ -54,5 +56,7 @@ def brigade_register(registry: ComponentRegistry) -> None:
     registry.add("router", "round-robin", RoundRobinRouter, options=RouterNoOptions)
     registry.add("router", "least-loaded", LeastLoadedRouter, options=RouterNoOptions)
     registry.add("router", "cache-aware", CacheAwareRouter, options=CacheAwareOptions)
+    registry.add("proposer", "ngram", NgramProposer, options=NgramOptions)
+    registry.add("proposer", "suffix", SuffixProposer, options=SuffixOptions)
     for hf_name, architecture in ARCHITECTURES.items():
         registry.add("model", hf_name, architecture)

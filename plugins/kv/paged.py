@@ -66,6 +66,8 @@ class _RequestState:
 class PagedKVManager(KVManager):
     """Pages with reference counts, a digest -> page prefix cache and an LRU free queue."""
 
+    supports_draft_tokens = True
+
     def __init__(self, pool: KVPoolParams, options: PagedKVOptions) -> None:
         if pool.num_pages < 1 or pool.page_size < 1:
             raise ValueError(
@@ -92,7 +94,10 @@ class PagedKVManager(KVManager):
         state = running_state(self._running, request, num_new_tokens)
         if state is None:
             return self._admit(request, num_new_tokens)
-        num_tokens = min(request.num_computed_tokens + num_new_tokens, request.num_tokens)
+        num_tokens = min(
+            request.num_computed_tokens + num_new_tokens,
+            request.num_tokens + len(request.draft_token_ids),
+        )
         num_new_pages = -(-num_tokens // self._page_size) - len(state.page_ids)
         if num_new_pages <= 0:
             return Allocation(num_cached_tokens=0, new_page_ids=())

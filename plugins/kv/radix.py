@@ -81,6 +81,7 @@ class RadixKVManager(KVManager):
     """
 
     supports_partial_page_reuse = True
+    supports_draft_tokens = True
 
     @classmethod
     def supported_page_sizes(cls, options: Any) -> PageSizeRule:
@@ -116,7 +117,10 @@ class RadixKVManager(KVManager):
         state = running_state(self._running, request, num_new_tokens)
         if state is None:
             return self._admit(request, num_new_tokens)
-        num_tokens = min(request.num_computed_tokens + num_new_tokens, request.num_tokens)
+        num_tokens = min(
+            request.num_computed_tokens + num_new_tokens,
+            request.num_tokens + len(request.draft_token_ids),
+        )
         num_new_pages = num_tokens - len(state.page_ids)
         if num_new_pages <= 0:
             return Allocation(num_cached_tokens=0, new_page_ids=())

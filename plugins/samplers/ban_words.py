@@ -91,6 +91,10 @@ class BanWordsProcessor(LogitsProcessor):
         self._tracked[row] = False
         self._history.pop(row, None)
 
+    def is_position_independent(self, request: Request) -> bool:
+        """True without multi-token words: the same tokens are banned at every position."""
+        return not self._history_len
+
     @property
     def is_active(self) -> bool:
         """True while a row is added and there is anything to ban."""

@@ -158,6 +158,10 @@ class MinTokensProcessor(LogitsProcessor):
         """True while some row is still short of its ``min_tokens``."""
         return bool(self._remaining)
 
+    def is_position_independent(self, request: Request) -> bool:
+        """True once ``request`` has its ``min_tokens``: nothing is masked any more."""
+        return request.num_output_tokens >= request.sampling_params.min_tokens
+
     def apply(self, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Set the masked ids of the tracked rows to -inf in place."""
         return self._table.add_to(logits, rows)
@@ -248,6 +252,15 @@ class PenaltiesProcessor(LogitsProcessor):
             self._additive_rows.discard(row)
             self._presence[row] = 0.0
             self._frequency[row] = 0.0
+
+    def is_position_independent(self, request: Request) -> bool:
+        """True for a request without penalties (its row is left alone)."""
+        params = request.sampling_params
+        return (
+            params.repetition_penalty == 1.0
+            and params.presence_penalty == 0.0
+            and params.frequency_penalty == 0.0
+        )
 
     @property
     def is_active(self) -> bool:

@@ -22,7 +22,7 @@ def test_interfaces_import_without_torch() -> None:
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )
-    assert result.stdout.split() == ["light", "10"]  # ten component kinds
+    assert result.stdout.split() == ["light", "11"]  # eleven component kinds
 
 
 @pytest.mark.slow

@@ -13,7 +13,14 @@ import faulty_plugins
 import pytest
 import torch
 
-from brigade.interfaces import ExecutorParams, ModelInput, NoOptions, Request, SamplerParams
+from brigade.interfaces import (
+    ExecutorParams,
+    ModelInput,
+    NoOptions,
+    ProposerParams,
+    Request,
+    SamplerParams,
+)
 from brigade.models.checkpoint import open_checkpoint
 from brigade.models.create import create_model
 from brigade.options import build_options
@@ -30,6 +37,7 @@ from brigade.testing.conformance import (
     check_kv_manager,
     check_logits_processor,
     check_model_architecture,
+    check_proposer,
     check_router,
     check_sampler,
     check_scheduler,
@@ -124,6 +132,15 @@ def test_a_wrong_backend_fails_the_attention_check() -> None:
 @pytest.mark.parametrize("component", components("kv"), ids=ids)
 def test_kv_manager_conforms(component: Component) -> None:
     check_kv_manager(component.factory, build_options(component.options_type, {}, component.name))
+
+
+@pytest.mark.parametrize("component", components("proposer"), ids=ids)
+def test_proposer_conforms(component: Component) -> None:
+    params = ProposerParams(
+        num_speculative_tokens=5, vocab_size=97, max_num_seqs=8, max_model_len=512
+    )
+    options = build_options(component.options_type, {}, component.name)
+    check_proposer(component.factory(params, options), params)
 
 
 @pytest.mark.parametrize("component", components("scheduler"), ids=ids)

@@ -20,6 +20,7 @@ from brigade.testing.conformance.models import (
     check_executor,
     check_model_architecture,
 )
+from brigade.testing.conformance.proposer import check_proposer
 from brigade.testing.conformance.router import check_router
 from brigade.testing.conformance.sampler import check_sampler, make_sampling_batch
 from brigade.testing.conformance.scheduler import (
@@ -42,6 +43,7 @@ __all__ = [
     "check_kv_manager",
     "check_logits_processor",
     "check_model_architecture",
+    "check_proposer",
     "check_router",
     "check_sampler",
     "check_scheduler",

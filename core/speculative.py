@@ -1,0 +1,244 @@
+"""Core's side of speculative decoding: drafts from the proposer, verification, the rules.
+
+Before a step is scheduled, :meth:`Speculation.propose` asks the proposer for drafts of the
+running requests whose next token is a decode and stores them on the requests
+(``request.draft_token_ids``); the scheduler budgets them, the KV manager reserves their pages,
+the persistent batch asks the executor for logits at each of their positions, and the
+sampling stage samples every position with the request's own parameters. :func:`verify` then
+accepts drafts left to right while the sampled token equals the draft and emits the first
+token that differs (or the one after the last draft): every emitted token is a sample of the
+target model given the tokens before it, so the output distribution is the non-speculating
+engine's at any temperature, and greedy output is identical (see docs/speculative.md).
+
+Rules (docs/speculative.md): nobody speculates in a step where more than ``max_batch_size``
+requests run; a request speculates only where every logits stage treats its rows the same
+at every position (``LogitsProcessor.is_position_independent``: no penalties, ``min_tokens``
+reached, no structured output, no configured processor that tracks its tokens), since those
+stages would need the drafts' tokens at each position; and, with
+``adaptive``, a request that had a draft rejected proposes at most ``accepted + 1`` tokens
+next, one more after each step that accepted all of its drafts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+
+from brigade.interfaces import DraftSlot, LogitsProcessor, Proposer, Request, RequestStatus
+from brigade.sampling_stage import describe
+from brigade.stations import SpeculativeSettings
+
+__all__ = ["Speculation", "SpeculativeStats", "Verified", "verify"]
+
+logger = logging.getLogger(__name__)
+
+_LOG_EVERY = 1000
+"""After the first proposer failure, one in this many is logged."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SpeculativeStats:
+    """Counters of speculative decoding since the engine started."""
+
+    num_drafts: int
+    """Draft tokens verified."""
+    num_accepted: int
+    """Of those, accepted."""
+    num_verifications: int
+    """Request-steps that verified at least one draft."""
+    accepted_by_position: tuple[int, ...]
+    """Index j: drafts accepted at position j + 1 of their step."""
+    drafts_by_position: tuple[int, ...]
+    """Index j: drafts verified at position j + 1."""
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted / self.num_drafts if self.num_drafts else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verifying request-step: accepted drafts plus the sampled one."""
+        if not self.num_verifications:
+            return 0.0
+        return (self.num_accepted + self.num_verifications) / self.num_verifications
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Verified:
+    """What verification made of one request's sampled positions."""
+
+    token_ids: list[int]
+    """The tokens it emits: its accepted drafts, then the token sampled after them."""
+    num_drafts: int
+    num_accepted: int
+
+
+def verify(samples: Sequence[int], drafts: Sequence[int]) -> Verified:
+    """Accept ``drafts`` while ``samples[j] == drafts[j]``; ``samples`` has one more entry
+    (the token sampled at each draft's position and after the last one)."""
+    accepted = 0
+    for sample, draft in zip(samples, drafts, strict=False):
+        if sample != draft:
+            break
+        accepted += 1
+    return Verified(list(samples[: accepted + 1]), len(drafts), accepted)
+
+
+class Speculation:
+    """The proposer, its per-request draft lengths and the counters."""
+
+    def __init__(
+        self,
+        proposer: Proposer,
+        name: str,
+        settings: SpeculativeSettings,
+        *,
+        vocab_size: int,
+        max_model_len: int,
+        processors: Sequence[LogitsProcessor],
+    ) -> None:
+        self.proposer = proposer
+        self.name = name
+        self.settings = settings
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.processors = list(processors)
+        """Every logits stage (the grammar's too): each must leave a speculating request's
+        rows alone, or treat them the same at every position."""
+        self._lengths: dict[str, int] = {}
+        """Request id -> the most drafts it proposes next (adaptive rule)."""
+        self._num_failures = 0
+        positions = settings.num_speculative_tokens
+        self._accepted_by_position = [0] * positions
+        self._drafts_by_position = [0] * positions
+        self._num_drafts = 0
+        self._num_accepted = 0
+        self._num_verifications = 0
+
+    def propose(self, running: Sequence[Request]) -> None:
+        """Set the drafts of every running request for the coming step (most get none)."""
+        slots: list[DraftSlot] = []
+        for request in running:
+            if request.draft_token_ids:
+                request.draft_token_ids = []
+        if len(running) > self.settings.max_batch_size:
+            return
+        for request in running:
+            budget = self._budget(request)
+            if budget > 0:
+                slots.append(DraftSlot(request, budget))
+        if not slots:
+            return
+        try:
+            proposals = self.proposer.propose(slots)
+            drafts = self._checked(slots, proposals)
+        except Exception as exc:
+            self._num_failures += 1
+            if self._num_failures % _LOG_EVERY == 1:
+                logger.error(
+                    "the proposer %r failed (%d times so far); steps run without drafts: %s",
+                    self.name,
+                    self._num_failures,
+                    describe(exc),
+                )
+            return
+        for slot, tokens in zip(slots, drafts, strict=True):
+            slot.request.draft_token_ids = tokens
+
+    def observe(self, request: Request, verified: Verified) -> None:
+        """Count a verification and adapt the request's draft length."""
+        drafts, accepted = verified.num_drafts, verified.num_accepted
+        self._num_drafts += drafts
+        self._num_accepted += accepted
+        self._num_verifications += 1
+        for position in range(drafts):
+            self._drafts_by_position[position] += 1
+        for position in range(accepted):
+            self._accepted_by_position[position] += 1
+        limit = self.settings.num_speculative_tokens
+        if self.settings.adaptive:
+            current = self._lengths.get(request.request_id, limit)
+            self._lengths[request.request_id] = (
+                min(limit, current + 1) if accepted == drafts else accepted + 1
+            )
+        try:
+            self.proposer.observe(request, drafts, accepted)
+        except Exception as exc:
+            logger.error("the proposer %r failed to observe: %s", self.name, describe(exc))
+
+    def remove(self, request: Request) -> None:
+        """``request`` left the engine."""
+        self._lengths.pop(request.request_id, None)
+        request.draft_token_ids = []
+        try:
+            self.proposer.remove(request)
+        except Exception as exc:
+            logger.error(
+                "the proposer %r failed to drop request %s: %s",
+                self.name,
+                request.request_id,
+                describe(exc),
+            )
+
+    def stats(self) -> SpeculativeStats:
+        return SpeculativeStats(
+            self._num_drafts,
+            self._num_accepted,
+            self._num_verifications,
+            tuple(self._accepted_by_position),
+            tuple(self._drafts_by_position),
+        )
+
+    def _budget(self, request: Request) -> int:
+        """How many drafts ``request`` may propose now (0: it does not speculate)."""
+        if (
+            request.status is not RequestStatus.RUNNING
+            or request.num_computed_tokens != request.num_tokens - 1
+            or request.pooling is not None
+        ):
+            return 0
+        if not self._position_independent(request):
+            return 0
+        params = request.sampling_params
+        # Every accepted draft and the token after them must still fit the request.
+        room = min(
+            params.max_tokens - request.num_output_tokens,
+            self.max_model_len - request.num_tokens,
+        )
+        length = self._lengths.get(request.request_id, self.settings.num_speculative_tokens)
+        return min(length, room - 1)
+
+    def _position_independent(self, request: Request) -> bool:
+        try:
+            return all(stage.is_position_independent(request) for stage in self.processors)
+        except Exception as exc:
+            logger.error(
+                "a logits processor failed to say whether request %s may speculate: %s",
+                request.request_id,
+                describe(exc),
+            )
+            return False
+
+    def _checked(
+        self, slots: Sequence[DraftSlot], proposals: Sequence[Sequence[int]]
+    ) -> list[list[int]]:
+        """The proposals as lists, or ``ValueError`` saying what breaks the contract."""
+        if len(proposals) != len(slots):
+            raise ValueError(f"{len(proposals)} proposals for {len(slots)} requests")
+        drafts: list[list[int]] = []
+        for slot, proposal in zip(slots, proposals, strict=True):
+            tokens = list(proposal)
+            if len(tokens) > slot.max_tokens:
+                raise ValueError(
+                    f"{len(tokens)} drafts for request {slot.request.request_id}, which may "
+                    f"have at most {slot.max_tokens}"
+                )
+            for token in tokens:
+                if type(token) is not int or not 0 <= token < self.vocab_size:
+                    raise ValueError(
+                        f"draft {token!r} for request {slot.request.request_id} is not a token "
+                        f"id in [0, {self.vocab_size})"
+                    )
+            drafts.append(tokens)
+        return drafts

@@ -1,0 +1,1 @@
+"""Built-in proposers of draft tokens for speculative decoding (``[speculative] plugin``)."""
