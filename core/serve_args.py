@@ -158,8 +158,14 @@ def alias_overrides(args: argparse.Namespace) -> list[str]:
     overrides = []
     for flag in FLAGS:
         raw = getattr(args, flag.dest, None) if flag.status == "alias" else None
-        if raw is not None and flag.key is not None:
-            overrides.append(format_override(flag.key, _convert(flag.names[0], flag, raw)))
+        if raw is None or flag.key is None:
+            continue
+        value = _convert(flag.names[0], flag, raw)
+        if isinstance(value, dict):  # several keys of the flag's table (--speculative-config)
+            station = flag.key.partition(".")[0]
+            overrides += [format_override(f"{station}.{k}", v) for k, v in value.items()]
+        else:
+            overrides.append(format_override(flag.key, value))
     return overrides
 
 

@@ -237,6 +237,64 @@ def _pooler_config(text: str) -> str:
     return kind.lower()
 
 
+_SPECULATIVE_KEYS = {
+    "num_speculative_tokens": "num_speculative_tokens",
+    "disable_by_batch_size": "max_batch_size",
+    "prompt_lookup_max": "max_n",
+    "prompt_lookup_min": "min_n",
+    "suffix_decoding_max_tree_depth": "max_depth",
+    "suffix_decoding_max_cached_requests": "max_cached_requests",
+    "suffix_decoding_max_spec_factor": "max_spec_factor",
+    "suffix_decoding_min_token_prob": "min_probability",
+}
+"""vLLM's ``--speculative-config`` keys -> ``[speculative]`` keys (the method's options)."""
+
+
+def _speculative_config(text: str) -> dict[str, Any]:
+    """vLLM's ``--speculative-config`` JSON -> the ``[speculative]`` keys it sets (``plugin``,
+    the shared settings and the method's options)."""
+    try:
+        config = json.loads(text)
+    except ValueError:
+        config = None
+    if not isinstance(config, dict):
+        raise ValueError(
+            'expected a JSON object such as \'{"method": "ngram", "num_speculative_tokens": 5}\''
+        )
+    method = config.get("method")
+    if method is None and "model" in config:
+        method = "draft_model"
+    if method not in ("ngram", "suffix"):
+        raise ValueError(
+            f"method {method!r} is not implemented yet (draft models, EAGLE, MTP and Medusa "
+            "heads included); allowed: ngram, suffix"
+        )
+    table: dict[str, Any] = {"plugin": method}
+    unknown = []
+    for key, value in config.items():
+        if key == "method":
+            continue
+        target = _SPECULATIVE_KEYS.get(key)
+        prefix = "prompt_lookup" if method == "ngram" else "suffix_decoding"
+        if target is None or (
+            key.startswith(("prompt_lookup", "suffix_decoding")) and not key.startswith(prefix)
+        ):
+            unknown.append(key)
+            continue
+        table[target] = value
+    if unknown:
+        allowed = ", ".join(
+            k
+            for k in _SPECULATIVE_KEYS
+            if not k.startswith("suffix_decoding" if method == "ngram" else "prompt_lookup")
+        )
+        raise ValueError(
+            f"{', '.join(sorted(unknown))}: not supported with method {method!r}; "
+            f"allowed: method, {allowed}"
+        )
+    return table
+
+
 # --- the table ----------------------------------------------------------------------------
 
 _NOT_YET = "not implemented yet"
@@ -516,7 +574,14 @@ FLAGS: tuple[ServeFlag, ...] = (
         ("--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank"),
         "LoRA adapters are not implemented yet",
     ),
-    _refused("--speculative-config", "speculative decoding is not implemented yet"),
+    _alias(
+        "--speculative-config",
+        "speculative.plugin",
+        "speculative decoding as JSON: method ngram or suffix, num_speculative_tokens, "
+        "disable_by_batch_size, prompt_lookup_max/min, suffix_decoding_* (docs/speculative.md)",
+        parse=_speculative_config,
+        metavar="JSON",
+    ),
     _refused("--tokenizer", "the tokenizer is read from MODEL (its directory, or the GGUF file)"),
     _refused(
         "--tokenizer-mode", "the tokenizer is MODEL's own; choosing a mode is not implemented"

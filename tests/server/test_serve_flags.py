@@ -94,6 +94,7 @@ ALIAS_CASES = [
     (["--api-server-count", "3"], "server.api_server_count", 3),
     (["-asc", "2"], "server.api_server_count", 2),
     (["--disable-frontend-multiprocessing"], "server.engine_process", False),
+    (["--speculative-config", '{"method": "ngram"}'], "speculative.plugin", "ngram"),
 ]
 
 
@@ -106,6 +107,32 @@ def test_each_flag_sets_the_config_key_it_names(
     assert value(effective(served, argv), key) == expected
     flag = BY_NAME.get(argv[0])
     assert flag is None or flag.key == key, "the table names another key"
+
+
+def test_speculative_config_sets_the_method_and_its_options(served: list) -> None:
+    config = effective(
+        served,
+        [
+            "--speculative-config",
+            '{"method": "suffix", "num_speculative_tokens": 7, "disable_by_batch_size": 4,'
+            ' "suffix_decoding_max_tree_depth": 20, "suffix_decoding_min_token_prob": 0.2}',
+        ],
+    )
+    assert value(config, "speculative.plugin") == "suffix"
+    assert value(config, "speculative.num_speculative_tokens") == 7
+    assert value(config, "speculative.max_batch_size") == 4
+    assert (
+        config["speculative"].options.max_depth,
+        config["speculative"].options.min_probability,
+    ) == (20, 0.2)
+    config = effective(
+        served,
+        [
+            "--speculative-config",
+            '{"method": "ngram", "prompt_lookup_max": 6, "prompt_lookup_min": 3}',
+        ],
+    )
+    assert (config["speculative"].options.max_n, config["speculative"].options.min_n) == (6, 3)
 
 
 def test_every_alias_in_the_table_has_a_case() -> None:
@@ -185,6 +212,13 @@ def test_lengths_read_as_vllm_reads_them(served: list, given: str, expected: int
         (["--served-model-name", "tiny", "./model.gguf"], "put MODEL before the flags"),
         (["M", "--model", "N"], "give the model once"),
         (["--config", "vllm.yaml"], "Brigade reads a TOML config, not vLLM's YAML"),
+        (["--speculative-config", '{"model": "d"}'], "'draft_model' is not implemented yet"),
+        (["--speculative-config", '{"method": "eagle3"}'], "'eagle3' is not implemented yet"),
+        (
+            ["--speculative-config", '{"method": "ngram", "suffix_decoding_max_tree_depth": 3}'],
+            "not supported with method 'ngram'",
+        ),
+        (["--speculative-config", "[1]"], "expected a JSON object"),
     ],
 )
 def test_values_that_do_not_map_are_one_line_errors(
