@@ -124,8 +124,11 @@ class PersistentBatch:
 
     def prepare(self, scheduled: Sequence[ScheduledRequest], kv: KVManager) -> StepPlan:
         """Build the step's ModelInput: decode rows first (the layout every attention backend
-        expects), each group in the scheduler's order."""
-        rows, computed, counts = [], [], []
+        expects), each group in the scheduler's order; a request verifying drafts has one
+        decode row per token (see :meth:`_add_drafts`)."""
+        rows: list[int] = []
+        computed: list[int] = []
+        counts: list[int] = []
         sampled: list[Request] = []
         sampled_rows: list[int] = []
         logits_rows: list[int] = []
@@ -137,17 +140,22 @@ class PersistentBatch:
             request, num_new, num_drafts = item.request, item.num_new_tokens, item.num_draft_tokens
             row = self.rows[request.request_id]
             self._sync_pages(row, kv.block_table(request))
-            if num_drafts:  # verified after the last token: their ids go where they would be
-                drafts = request.draft_token_ids[:num_drafts]
-                start = request.num_tokens
-                self.token_ids[row, start : start + num_drafts] = torch.tensor(drafts)
+            if num_drafts:
+                self._add_drafts(item, row, rows, computed, counts)
+                num_decodes += 1 + num_drafts
+                token_offset += 1 + num_drafts
+                sampled.append(request)
+                sampled_rows.append(row)
+                draft_counts.append(num_drafts)
+                logits_rows.extend(range(token_offset - 1 - num_drafts, token_offset))
+                continue
             rows.append(row)
             computed.append(request.num_computed_tokens)
             counts.append(num_new)
             if item.is_decode:
                 num_decodes += 1
             token_offset += num_new
-            completes = request.num_computed_tokens + num_new == request.num_tokens + num_drafts
+            completes = request.num_computed_tokens + num_new == request.num_tokens
             if request.pooling is not None:
                 if request.pooling.needs_every_position:
                     hidden_rows.extend(range(token_offset - num_new, token_offset))
@@ -158,11 +166,8 @@ class PersistentBatch:
             elif completes:
                 sampled.append(request)
                 sampled_rows.append(row)
-                draft_counts.append(num_drafts)
-                if num_drafts:
-                    logits_rows.extend(range(token_offset - 1 - num_drafts, token_offset))
-                else:
-                    logits_rows.append(token_offset - 1)
+                draft_counts.append(0)
+                logits_rows.append(token_offset - 1)
         row_index = torch.tensor(rows, dtype=torch.int64)
         num_computed = torch.tensor(computed, dtype=torch.int64)
         query_lens = torch.tensor(counts, dtype=torch.int64)
@@ -230,6 +235,27 @@ class PersistentBatch:
             max_num_logprobs=None if max_logprobs < 0 else max_logprobs,
         )
 
+    def _add_drafts(
+        self,
+        item: ScheduledRequest,
+        row: int,
+        rows: list[int],
+        computed: list[int],
+        counts: list[int],
+    ) -> None:
+        """Lay out a request verifying drafts as one decode row per token (its last one, then
+        each draft), each seeing the tokens before it: every backend writes a step's K/V
+        before it attends, so a verification is a pure decode step (fused CPU decode, CUDA
+        graphs), and rows that share a context read it once (cascade decode)."""
+        request, num_drafts = item.request, item.num_draft_tokens
+        start = request.num_tokens  # the drafts' ids go where they would be if accepted
+        drafts = request.draft_token_ids[:num_drafts]
+        self.token_ids[row, start : start + num_drafts] = torch.tensor(drafts, dtype=torch.int64)
+        for offset in range(1 + num_drafts):
+            rows.append(row)
+            computed.append(request.num_computed_tokens + offset)
+            counts.append(1)
+
     def _sync_pages(self, row: int, block_table: Sequence[int]) -> None:
         known = self.num_pages[row]
         if len(block_table) > known:
@@ -239,4 +265,4 @@ class PersistentBatch:
 
 
 def _prefill_last(item: ScheduledRequest) -> bool:
-    return not item.is_decode
+    return not item.is_decode and not item.num_draft_tokens

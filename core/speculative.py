@@ -10,8 +10,13 @@ token that differs (or the one after the last draft): every emitted token is a s
 target model given the tokens before it, so the output distribution is the non-speculating
 engine's at any temperature, and greedy output is identical (see docs/speculative.md).
 
-Rules (docs/speculative.md): nobody speculates in a step where more than ``max_batch_size``
-requests run; a request speculates only where every logits stage treats its rows the same
+Rules (docs/speculative.md): a step carries at most ``max_tokens_per_step`` tokens with its
+drafts (up to there a CPU step costs about what a one-token step does: the weights are read
+once whatever the rows), handed to the requests with the best acceptance rates first, and
+nobody speculates in a step where more than ``max_batch_size`` requests run; a request whose
+acceptance rate (a moving average) falls below ``min_acceptance_rate`` sits out
+:data:`PAUSE_STEPS` steps, then starts again with one draft; a request speculates only where
+every logits stage treats its rows the same
 at every position (``LogitsProcessor.is_position_independent``: no penalties, ``min_tokens``
 reached, no structured output, no configured processor that tracks its tokens), since those
 stages would need the drafts' tokens at each position; and, with
@@ -35,6 +40,12 @@ logger = logging.getLogger(__name__)
 
 _LOG_EVERY = 1000
 """After the first proposer failure, one in this many is logged."""
+PRIOR_RATE = 0.5
+"""A request's acceptance rate before its first verification."""
+RATE_WEIGHT = 0.3
+"""Weight of the latest verification in a request's moving-average acceptance rate."""
+PAUSE_STEPS = 16
+"""Steps a request sits out once its acceptance rate fell below ``min_acceptance_rate``."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -108,6 +119,10 @@ class Speculation:
         rows alone, or treat them the same at every position."""
         self._lengths: dict[str, int] = {}
         """Request id -> the most drafts it proposes next (adaptive rule)."""
+        self._rates: dict[str, float] = {}
+        """Request id -> moving average of its acceptance rate (prior: :data:`PRIOR_RATE`)."""
+        self._paused: dict[str, int] = {}
+        """Request id -> steps it still sits out (its acceptance rate fell too low)."""
         self._num_failures = 0
         positions = settings.num_speculative_tokens
         self._accepted_by_position = [0] * positions
@@ -122,12 +137,19 @@ class Speculation:
         for request in running:
             if request.draft_token_ids:
                 request.draft_token_ids = []
-        if len(running) > self.settings.max_batch_size:
+        budget = self.settings.max_tokens_per_step - len(running)
+        if len(running) > self.settings.max_batch_size or budget <= 0:
             return
         for request in running:
-            budget = self._budget(request)
-            if budget > 0:
-                slots.append(DraftSlot(request, budget))
+            paused = self._paused.get(request.request_id)
+            if paused is not None:
+                self._paused[request.request_id] = paused - 1
+                if paused > 1:
+                    continue
+                del self._paused[request.request_id]
+            limit = self._budget(request)
+            if limit > 0:
+                slots.append(DraftSlot(request, limit))
         if not slots:
             return
         try:
@@ -143,8 +165,18 @@ class Speculation:
                     describe(exc),
                 )
             return
-        for slot, tokens in zip(slots, drafts, strict=True):
-            slot.request.draft_token_ids = tokens
+        # The step's spare tokens go to the likeliest drafts first.
+        rates = self._rates
+        ranked = sorted(
+            zip(slots, drafts, strict=True),
+            key=lambda pair: -rates.get(pair[0].request.request_id, PRIOR_RATE),
+        )
+        for slot, tokens in ranked:
+            if budget <= 0:
+                break
+            if tokens:
+                slot.request.draft_token_ids = tokens[:budget]
+                budget -= len(slot.request.draft_token_ids)
 
     def observe(self, request: Request, verified: Verified) -> None:
         """Count a verification and adapt the request's draft length."""
@@ -156,8 +188,16 @@ class Speculation:
             self._drafts_by_position[position] += 1
         for position in range(accepted):
             self._accepted_by_position[position] += 1
+        rate = RATE_WEIGHT * accepted / drafts + (1 - RATE_WEIGHT) * self._rates.get(
+            request.request_id, PRIOR_RATE
+        )
+        self._rates[request.request_id] = rate
         limit = self.settings.num_speculative_tokens
-        if self.settings.adaptive:
+        if rate < self.settings.min_acceptance_rate:
+            self._paused[request.request_id] = PAUSE_STEPS
+            self._rates[request.request_id] = PRIOR_RATE  # a fresh start after the pause
+            self._lengths[request.request_id] = 1
+        elif self.settings.adaptive:
             current = self._lengths.get(request.request_id, limit)
             self._lengths[request.request_id] = (
                 min(limit, current + 1) if accepted == drafts else accepted + 1
@@ -170,6 +210,8 @@ class Speculation:
     def remove(self, request: Request) -> None:
         """``request`` left the engine."""
         self._lengths.pop(request.request_id, None)
+        self._rates.pop(request.request_id, None)
+        self._paused.pop(request.request_id, None)
         request.draft_token_ids = []
         try:
             self.proposer.remove(request)

@@ -87,11 +87,26 @@ class SpeculativeSettings:
     num_speculative_tokens: int = option(
         5, help="most draft tokens one request verifies in one step (k)", ge=1, le=64
     )
+    max_tokens_per_step: int = option(
+        8,
+        help="drafts fill a step up to this many tokens (one per running request plus the "
+        "drafts), the likeliest drafts first: on a CPU a step of up to ~8 rows costs about "
+        "what a one-row step does (the weights are read once), more rows cost compute; on a "
+        "GPU raise it to 64 or more",
+        ge=1,
+    )
     max_batch_size: int = option(
         8,
-        help="speculate only in steps where at most this many requests run: a larger batch "
-        "already keeps the CPU or GPU busy, and verifying drafts would slow it down",
+        help="speculate only in steps where at most this many requests run (vLLM's "
+        "disable_by_batch_size)",
         ge=1,
+    )
+    min_acceptance_rate: float = option(
+        0.1,
+        help="a request whose acceptance rate (a moving average over its verifications) "
+        "falls below this stops speculating for 16 steps, then tries one draft again",
+        ge=0,
+        le=1,
     )
     adaptive: bool = option(
         True,

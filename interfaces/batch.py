@@ -16,7 +16,12 @@ class ModelInput:
     """Every scheduled token of one step, flattened, plus where its KV lives.
 
     Rows are requests; ``num_decodes`` leading rows have exactly one new token and the rest are
-    prefill chunks (a chunk attends to the request's cached KV and causally to itself).
+    prefill chunks (a chunk attends to the request's cached KV and causally to itself). A
+    request that verifies draft tokens (speculative decoding, API 2.4) has one decode row per
+    token: rows with the same block table and growing ``seq_lens``, each attending to the K/V
+    that the rows before it write in the same step, so a backend must write every row's new
+    K/V before it attends (as ``AttentionBackend.forward`` says) and must not assume that rows
+    have distinct pages.
     Tensors are on the host when core builds them; the executor moves them to its device and
     keeps the ``*_cpu`` copies for host-side decisions. Shapes use T = num_tokens,
     B = num_reqs, S = number of positions whose logits are wanted, P = max pages per request.

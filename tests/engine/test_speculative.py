@@ -69,7 +69,8 @@ def oracle_llm(model_dir: Path, answers: Answers, *settings: str, shift: int = 0
         lambda params, options: OracleProposer(params, options, answers, shift)
     )
     base = [f"model.path={model_dir}", "kv.page_size=4", "kv.num_pages=256", "model.dtype=float32"]
-    return LLM(overrides=[*base, "speculative.plugin=test", *settings], registry=registry)
+    spec = ["speculative.plugin=test", "speculative.max_tokens_per_step=64"]
+    return LLM(overrides=[*base, *spec, *settings], registry=registry)
 
 
 def answers_of(token_prompts: list[list[int]], outputs: list) -> Answers:
@@ -122,7 +123,7 @@ def test_greedy_output_is_the_same_whatever_the_proposer_guesses(
     assert stats.num_drafts > len(token_prompts), stats
     assert stats.acceptance_rate < 0.05, stats
 
-    ngram = make_llm(model_dir, "speculative.plugin=ngram")
+    ngram = make_llm(model_dir, "speculative.plugin=ngram", "speculative.max_tokens_per_step=64")
     assert_same_greedy(run(ngram, token_prompts), reference, f"{arch} ngram")
 
 
@@ -218,7 +219,11 @@ def test_sampling_at_temperature_one_keeps_the_distribution(model_dirs: dict) ->
 
     params = SamplingParams(max_tokens=length, temperature=1.0, top_k=top_k, ignore_eos=True)
     base = [f"model.path={model_dir}", "kv.page_size=4", "kv.num_pages=4096", "model.dtype=float32"]
-    settings = ["scheduler.max_num_seqs=256", "speculative.max_batch_size=256"]
+    settings = [
+        "scheduler.max_num_seqs=256",
+        "speculative.max_batch_size=256",
+        "speculative.max_tokens_per_step=4096",
+    ]
     registry = registry_with(lambda params, options: TreeProposer(params, options, best))
     llm = LLM(overrides=[*base, *settings, "speculative.plugin=test"], registry=registry)
     outputs = llm.generate([prompt] * num_samples, params)
