@@ -10,7 +10,7 @@ import json
 import random
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,11 @@ from brigade import LLM
 from brigade.errors import ConfigError, RequestError
 from brigade.grammar import GrammarManager
 from brigade.interfaces import (
+    DraftSlot,
     GrammarParams,
+    NoOptions,
+    Proposer,
+    ProposerParams,
     Request,
     RequestStatus,
     SamplingParams,
@@ -30,6 +34,7 @@ from brigade.interfaces import (
 )
 from brigade.models.create import create_model
 from brigade.plugins.grammar.xgrammar import XGrammarBackend, XGrammarMatcher, XGrammarOptions
+from brigade.registry import load_registry
 from brigade.testing.conformance import check_grammar_backend
 from brigade.testing.parity import assert_same_greedy_outputs
 
@@ -395,10 +400,45 @@ def test_length_bounded_strings_are_valid_json_strings(llm: LLM) -> None:
         assert_valid_json(text, schema, f"seed {param.seed}")
 
 
-def test_unconstrained_requests_in_a_mixed_batch_are_untouched(llm: LLM) -> None:
+SPECULATING = ("speculative.max_tokens_per_step=4096", "speculative.max_batch_size=256")
+
+
+class AnswerProposer(Proposer):
+    """Drafts the tokens a run without speculation generated after the same tokens."""
+
+    def __init__(self, params: ProposerParams, answers: dict[tuple[int, ...], list[int]]) -> None:
+        super().__init__(params, NoOptions())
+        self.answers = answers
+
+    def propose(self, slots: Sequence[DraftSlot]) -> list[list[int]]:
+        drafts = []
+        for slot in slots:
+            request = slot.request
+            answer = self.answers.get(tuple(request.prompt_token_ids), [])
+            done = request.num_output_tokens
+            on_path = answer[:done] == request.output_token_ids
+            drafts.append(answer[done : done + slot.max_tokens] if on_path else [])
+        return drafts
+
+
+@pytest.mark.parametrize("speculating", [False, True], ids=["plain", "speculating"])
+def test_unconstrained_requests_in_a_mixed_batch_are_untouched(
+    llm: LLM, model_dirs: dict, speculating: bool
+) -> None:
+    """Also with speculation on: the free requests verify drafts beside constrained rows (the
+    grammar station sees several logits rows per speculating request)."""
     free = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
     free_prompts = make_prompts(4, seed=11)
     alone = [completion(llm.generate([p], free, use_tqdm=False)[0]) for p in free_prompts]
+    if speculating:
+        answers = {tuple(p): list(c.token_ids) for p, c in zip(free_prompts, alone, strict=True)}
+        registry = load_registry()
+        registry.add("proposer", "answers", lambda params, _: AnswerProposer(params, answers))
+        base = [f"model.path={model_dirs['llama']}", "model.dtype=float32", "kv.page_size=4"]
+        llm = LLM(
+            overrides=[*base, "kv.num_pages=2048", "speculative.plugin=answers", *SPECULATING],
+            registry=registry,
+        )
 
     names = list(SCHEMAS)[:12]
     constrained = [p for name in names for p in variants(schema_output(name), logprobs=2)]
@@ -437,6 +477,10 @@ def test_unconstrained_requests_in_a_mixed_batch_are_untouched(llm: LLM) -> None
     ):
         assert_stopped(output, name)
         assert_valid_json(completion(output).text, SCHEMAS[name], name)
+    spec = llm.engine.stats().speculative
+    if speculating:
+        assert spec is not None
+        assert spec.num_accepted > len(free_prompts), "the free requests never speculated"
 
 
 def test_n_children_with_a_seed_each_validate(llm: LLM) -> None:
