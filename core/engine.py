@@ -41,7 +41,13 @@ from brigade.interfaces import (
 from brigade.persistent_batch import PersistentBatch, StepPlan
 from brigade.pooling import Pooler
 from brigade.registry import Registry
-from brigade.sampling_stage import SampledTokens, SamplingStage, TokenLogprob, describe
+from brigade.sampling_stage import (
+    DraftRows,
+    SampledTokens,
+    SamplingStage,
+    TokenLogprob,
+    describe,
+)
 from brigade.scheduling import BatchScheduler
 from brigade.speculative import Speculation, SpeculativeStats, Verified, verify
 from brigade.swap import SwapSpace
@@ -509,9 +515,18 @@ class EngineCore:
             return SampledTokens([], None, {})
         if self._executor_returns_token_ids:  # no logits: no processors, no sampler
             return SampledTokens(result.tolist(), None, {})
+        drafts: list[DraftRows] = []
+        if plan.draft_counts:
+            offset = 0
+            for request, row, count in zip(
+                plan.sampled, plan.sampled_rows, plan.draft_counts, strict=True
+            ):
+                if count:
+                    drafts.append(DraftRows(request, row, offset, request.draft_token_ids[:count]))
+                offset += 1 + count
         # Recomputing reruns the same forward pass, which rewrites the same KV entries.
         return self.sampling.sample(
-            result, plan.logits_rows, lambda: self.executor.execute(plan.model_input)
+            result, plan.logits_rows, lambda: self.executor.execute(plan.model_input), drafts
         )
 
     def _account(
@@ -543,14 +558,14 @@ class EngineCore:
             logprobs = None if logprobs is None else [logprobs[i] for i in keep]
             verified = None if verified is None else [verified[i] for i in keep]
         if requests:
-            rejected = self._record_tokens(requests, rows, tokens)
-            # Rows whose grammar is complete: nothing but a stop token could follow.
-            grammar = self.grammar
-            complete = self.sampling.finished_rows(grammar) if grammar is not None else set()
+            rejected, complete = self._record_tokens(requests, rows, tokens)
             for index, (request, new) in enumerate(zip(requests, tokens, strict=True)):
                 if index in rejected:
                     failed[request] = rejected[index]
                     continue
+                complete_after = complete.get(index)
+                if complete_after is not None:
+                    new = new[:complete_after]
                 status = None
                 emitted = 0
                 for token in new:  # several with accepted drafts; a stop ends them
@@ -559,7 +574,7 @@ class EngineCore:
                     status = self._finish_status(request, token)
                     if status is not None:
                         break
-                if status is None and rows[index] in complete:
+                if status is None and complete_after is not None:
                     status = RequestStatus.FINISHED_STOPPED
                 if status is not None:
                     request.status = status
@@ -609,7 +624,8 @@ class EngineCore:
             zip(plan.sampled, plan.draft_counts, strict=True)
         ):
             samples = sampled.token_ids[offset : offset + 1 + num_drafts]
-            verdict = verify(samples, request.draft_token_ids[:num_drafts])
+            checked = request.draft_token_ids[:num_drafts] if sampled.drafts_checked else []
+            verdict = verify(samples, checked)
             last = offset + verdict.num_accepted  # a failed row never equals a draft
             if last in sampled.failures:
                 failures[index] = sampled.failures[last]
@@ -623,13 +639,20 @@ class EngineCore:
 
     def _record_tokens(
         self, requests: Sequence[Request], rows: list[int], tokens: list[list[int]]
-    ) -> dict[int, str]:
-        """Write the step's tokens to the batch and give them to the logits processors;
-        index of a request a processor failed for -> why."""
+    ) -> tuple[dict[int, str], dict[int, int]]:
+        """Write the step's tokens to the batch and give them to the logits processors.
+
+        Returns the index of each request a processor failed for -> why, and the index of each
+        request whose grammar completed -> after how many of its tokens (nothing but a stop
+        token could follow them: the rest are dropped).
+        """
+        grammar = self.grammar
         if all(len(new) == 1 for new in tokens):
             firsts = [new[0] for new in tokens]
             self.batch.append_tokens(rows, [request.num_tokens for request in requests], firsts)
-            return self.sampling.accept(rows, firsts)
+            failed = self.sampling.accept(rows, firsts)
+            done = self.sampling.finished_rows(grammar) if grammar is not None else set()
+            return failed, {i: 1 for i, row in enumerate(rows) if row in done}
         flat_rows: list[int] = []
         positions: list[int] = []
         flat_tokens: list[int] = []
@@ -639,14 +662,24 @@ class EngineCore:
             flat_tokens.extend(new)
         self.batch.append_tokens(flat_rows, positions, flat_tokens)
         rejected: dict[int, str] = {}
+        complete: dict[int, int] = {}
         for position in range(max(map(len, tokens))):  # one batch call per position
-            indices = [i for i, new in enumerate(tokens) if len(new) > position]
+            indices = [
+                i
+                for i, new in enumerate(tokens)
+                if len(new) > position and i not in rejected and i not in complete
+            ]
+            if not indices:
+                break
             failures = self.sampling.accept(
                 [rows[i] for i in indices], [tokens[i][position] for i in indices]
             )
             for subset_index, error in failures.items():
                 rejected.setdefault(indices[subset_index], error)
-        return rejected
+            if grammar is not None:
+                done = self.sampling.finished_rows(grammar)
+                complete.update((i, position + 1) for i in indices if rows[i] in done)
+        return rejected, complete
 
     def _observe_drafts(
         self,
@@ -667,12 +700,10 @@ class EngineCore:
         scheduled = tuple(
             dataclasses.replace(
                 item,
-                num_new_tokens=item.num_new_tokens
-                - item.num_draft_tokens
-                + accepted[id(item.request)],
-                num_draft_tokens=accepted[id(item.request)],
+                num_new_tokens=1 + accepted.get(id(item.request), 0),
+                num_draft_tokens=accepted.get(id(item.request), 0),
             )
-            if item.num_draft_tokens and id(item.request) in accepted
+            if item.num_draft_tokens
             else item
             for item in output.scheduled
         )

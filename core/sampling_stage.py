@@ -21,15 +21,22 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import torch
+
 from brigade.grammar import GrammarManager
 from brigade.interfaces import LogitsProcessor, Request, Sampler
 
 if TYPE_CHECKING:
-    import torch
-
     from brigade.persistent_batch import PersistentBatch
 
-__all__ = ["SampledTokens", "SamplingStage", "TokenLogprob", "describe"]
+__all__ = [
+    "DraftRows",
+    "SampledTokens",
+    "SamplingStage",
+    "TokenLogprob",
+    "describe",
+    "supports_rollback",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +77,29 @@ class SampledTokens:
     """Per row when any row asked for logprobs, else None."""
     failures: dict[int, str]
     """Index of a failed row (in the step's sampled rows) -> why its request failed."""
+    drafts_checked: bool = True
+    """False when the step fell back to sampling row by row: the tokens at draft positions
+    were drawn without the logits stages' state after the drafts, so no draft is accepted."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DraftRows:
+    """A request that verifies drafts in this step, as the sampling stage sees it."""
+
+    request: Request
+    row: int
+    """Its persistent row."""
+    offset: int
+    """The logits row of its last token; its drafts' positions follow it."""
+    tokens: list[int]
+    """Its drafts: ``tokens[j]`` is the input of logits row ``offset + j + 1``, so the token
+    sampled at row ``offset + j`` verifies it."""
+
+
+def supports_rollback(processor: LogitsProcessor) -> bool:
+    """Whether ``processor`` overrides :meth:`LogitsProcessor.rollback` (so it can be advanced
+    through a request's drafts and back)."""
+    return type(processor).rollback is not LogitsProcessor.rollback
 
 
 class _StageError(Exception):
@@ -130,21 +160,31 @@ class SamplingStage:
     # -- the step -----------------------------------------------------------------------
 
     def sample(
-        self, logits: torch.Tensor, rows: list[int], recompute: Callable[[], torch.Tensor]
+        self,
+        logits: torch.Tensor,
+        rows: list[int],
+        recompute: Callable[[], torch.Tensor],
+        drafts: Sequence[DraftRows] = (),
     ) -> SampledTokens:
-        """Sample one token for each persistent row in ``rows`` from ``logits`` [S, vocab].
+        """Sample one token for each logits row of ``logits`` [S, vocab]; ``rows`` [S] are
+        their persistent rows (a request verifying drafts has one per position, in order).
 
-        ``recompute`` returns the step's logits again (used only after a failure).
+        ``drafts`` lists the requests verifying drafts. Where a logits stage depends on a
+        drafting request's tokens (its grammar), the stages run position by position: each
+        is advanced through the drafts before the next position and rolled back after, so
+        the logits at a draft's position are edited as if the drafts before it had been
+        accepted. ``recompute`` returns the step's logits again (used only after a failure).
         """
         try:
-            tokens, logprobs = self._sample_rows(logits, rows)
+            tokens, logprobs = self._sample_rows(logits, rows, drafts)
         except _StageError as failure:
             logger.warning(
                 "sampling a batch of %d rows failed (%s); sampling each row alone",
                 len(rows),
                 failure.reason(),
             )
-            return self._sample_one_by_one(recompute(), rows)
+            sampled = self._sample_one_by_one(recompute(), rows)
+            return dataclasses.replace(sampled, drafts_checked=not drafts)
         failures: dict[int, str] = {}
         if tokens and (min(tokens) < 0 or max(tokens) >= self.vocab_size):
             failures = self._out_of_vocabulary(tokens)
@@ -181,14 +221,17 @@ class SamplingStage:
     # -- internals ----------------------------------------------------------------------
 
     def _sample_rows(
-        self, logits: torch.Tensor, rows: list[int]
+        self, logits: torch.Tensor, rows: list[int], drafts: Sequence[DraftRows] = ()
     ) -> tuple[list[int], list[TokenLogprob | None] | None]:
         active = [processor for processor in self.processors if processor.is_active]
-        for processor in active:  # host work (bitmasks) while the device runs the model
-            _guarded(_name(processor), processor.begin_step, rows)
         batch = self.batch.sampling_batch(rows, self.device)
-        for processor in active:
-            logits = _guarded(_name(processor), processor.apply, logits, batch.rows)
+        if drafts and _depends_on_drafts(active, drafts):
+            logits = self._apply_by_position(logits, rows, drafts, active)
+        else:
+            for processor in active:  # host work (bitmasks) while the device runs the model
+                _guarded(_name(processor), processor.begin_step, rows)
+            for processor in active:
+                logits = _guarded(_name(processor), processor.apply, logits, batch.rows)
         sampler = f"the sampler {self.sampler_name!r}"
         result = _guarded(sampler, self.sampler.sample, logits, batch)
         tokens: list[int] = result.token_ids.tolist()  # the step's one device-to-host sync
@@ -203,6 +246,72 @@ class SamplingStage:
                 TokenLogprob(ids[index][0], values[index][0], top) if wanted >= 0 else None
             )
         return tokens, logprobs
+
+    def _apply_by_position(
+        self,
+        logits: torch.Tensor,
+        rows: list[int],
+        drafts: Sequence[DraftRows],
+        active: list[LogitsProcessor],
+    ) -> torch.Tensor:
+        """Run the stages over the logits rows one draft position at a time (see
+        :meth:`sample`); a draft the stages mask at its position ends its request's walk
+        (verification rejects it there, so the positions after it are never used)."""
+        trackers = [p for p in active if p.needs_tokens and supports_rollback(p)]
+        draft_position: set[int] = set()
+        for draft in drafts:
+            draft_position.update(range(draft.offset + 1, draft.offset + 1 + len(draft.tokens)))
+        indices = [i for i in range(len(rows)) if i not in draft_position]  # position 0
+        walking = list(range(len(drafts)))  # the drafts still being walked through
+        advanced = [[0] * len(drafts) for _ in trackers]  # per tracker, per draft: accepted
+        position = 0
+        try:
+            while True:
+                logits = self._apply_at(logits, rows, indices, active)
+                walking = [i for i in walking if len(drafts[i].tokens) > position]
+                if not walking:
+                    break
+                offsets = [drafts[i].offset + position for i in walking]
+                tokens = [drafts[i].tokens[position] for i in walking]
+                allowed = (logits[offsets, tokens] > float("-inf")).tolist()
+                walking = [i for i, ok in zip(walking, allowed, strict=True) if ok]
+                if not walking:
+                    break
+                walked_rows = [drafts[i].row for i in walking]
+                tokens = [drafts[i].tokens[position] for i in walking]
+                for counts, processor in zip(advanced, trackers, strict=True):
+                    _guarded(_name(processor), processor.accept_batch, walked_rows, tokens)
+                    for i in walking:
+                        counts[i] += 1
+                position += 1
+                indices = [drafts[i].offset + position for i in walking]
+        finally:
+            for counts, processor in zip(advanced, trackers, strict=True):
+                for i, count in enumerate(counts):
+                    if count:
+                        _guarded(_name(processor), processor.rollback, drafts[i].row, count)
+                if isinstance(processor, GrammarManager):
+                    processor.finished_rows()  # what the walk marked finished is not finished
+        return logits
+
+    def _apply_at(
+        self,
+        logits: torch.Tensor,
+        rows: list[int],
+        indices: list[int],
+        active: list[LogitsProcessor],
+    ) -> torch.Tensor:
+        """Apply the stages to the logits rows ``indices`` (one position of each request)."""
+        subset_rows = [rows[i] for i in indices]
+        index = torch.tensor(indices, dtype=torch.int64, device=logits.device)
+        row_index = torch.tensor(subset_rows, dtype=torch.int64, device=logits.device)
+        subset = logits.index_select(0, index)
+        for processor in active:
+            _guarded(_name(processor), processor.begin_step, subset_rows)
+        for processor in active:
+            subset = _guarded(_name(processor), processor.apply, subset, row_index)
+        logits.index_copy_(0, index, subset)
+        return logits
 
     def _sample_one_by_one(self, logits: torch.Tensor, rows: list[int]) -> SampledTokens:
         tokens: list[int] = []
@@ -239,6 +348,13 @@ class SamplingStage:
             f"the sampler {self.sampler_name!r} returned token id {token}, outside the "
             f"vocabulary [0, {self.vocab_size})"
         )
+
+
+def _depends_on_drafts(active: Sequence[LogitsProcessor], drafts: Sequence[DraftRows]) -> bool:
+    """Whether an active stage edits a drafting request's rows by the tokens before them."""
+    return any(
+        not _guarded(_name(p), p.is_position_independent, d.request) for p in active for d in drafts
+    )
 
 
 def _guarded(what: str, call: Callable[..., T], *args: Any) -> T:

@@ -31,7 +31,7 @@ import logging
 from collections.abc import Sequence
 
 from brigade.interfaces import DraftSlot, LogitsProcessor, Proposer, Request, RequestStatus
-from brigade.sampling_stage import describe
+from brigade.sampling_stage import describe, supports_rollback
 from brigade.stations import SpeculativeSettings
 
 __all__ = ["Speculation", "SpeculativeStats", "Verified", "verify"]
@@ -252,8 +252,13 @@ class Speculation:
         return min(length, room - 1)
 
     def _position_independent(self, request: Request) -> bool:
+        """Whether every logits stage can edit ``request``'s draft positions right: it treats
+        them all alike, or it can be walked through the drafts and rolled back."""
         try:
-            return all(stage.is_position_independent(request) for stage in self.processors)
+            return all(
+                supports_rollback(stage) or stage.is_position_independent(request)
+                for stage in self.processors
+            )
         except Exception as exc:
             logger.error(
                 "a logits processor failed to say whether request %s may speculate: %s",

@@ -406,9 +406,13 @@ SPECULATING = ("speculative.max_tokens_per_step=4096", "speculative.max_batch_si
 class AnswerProposer(Proposer):
     """Drafts the tokens a run without speculation generated after the same tokens."""
 
-    def __init__(self, params: ProposerParams, answers: dict[tuple[int, ...], list[int]]) -> None:
+    def __init__(
+        self, params: ProposerParams, answers: dict[tuple[int, ...], list[int]], shift: int = 0
+    ) -> None:
         super().__init__(params, NoOptions())
         self.answers = answers
+        self.shift = shift
+        """Added to each drafted id: 0 drafts the answer, 1 a wrong (mostly masked) token."""
 
     def propose(self, slots: Sequence[DraftSlot]) -> list[list[int]]:
         drafts = []
@@ -417,8 +421,66 @@ class AnswerProposer(Proposer):
             answer = self.answers.get(tuple(request.prompt_token_ids), [])
             done = request.num_output_tokens
             on_path = answer[:done] == request.output_token_ids
-            drafts.append(answer[done : done + slot.max_tokens] if on_path else [])
+            guess = answer[done : done + slot.max_tokens] if on_path else []
+            drafts.append([(t + self.shift) % self.params.vocab_size for t in guess])
         return drafts
+
+
+def answer_llm(model_dir: Path, answers: dict[tuple[int, ...], list[int]], shift: int = 0) -> LLM:
+    registry = load_registry()
+    registry.add("proposer", "answers", lambda p, _: AnswerProposer(p, answers, shift))
+    base = [f"model.path={model_dir}", "model.dtype=float32", "kv.page_size=4"]
+    return LLM(
+        overrides=[*base, "kv.num_pages=2048", "speculative.plugin=answers", *SPECULATING],
+        registry=registry,
+    )
+
+
+@pytest.mark.parametrize("shift", [0, 1], ids=["right drafts", "wrong drafts"])
+def test_constrained_requests_speculate_and_stay_valid(
+    llm: LLM, model_dirs: dict, shift: int
+) -> None:
+    """The grammar is walked through each request's drafts, so the logits at a draft's
+    position are masked as if the drafts before it had been accepted, and rolled back after."""
+    names = list(SCHEMAS)
+    prompts = make_prompts(len(names), seed=21)
+    greedy = [
+        SamplingParams(
+            max_tokens=MAX_TOKENS, temperature=0.0, structured_output=schema_output(n), logprobs=2
+        )
+        for n in names
+    ]
+    reference = llm.generate(prompts, greedy, use_tqdm=False)
+    answers = {
+        tuple(p): list(completion(o).token_ids) for p, o in zip(prompts, reference, strict=True)
+    }
+    speculating = answer_llm(model_dirs["llama"], answers, shift)
+    outputs = speculating.generate(prompts, greedy, use_tqdm=False)
+    assert_same_greedy_outputs(
+        [(completion(o).token_ids, completion(o).logprobs) for o in outputs],
+        [(completion(o).token_ids, completion(o).logprobs) for o in reference],
+        atol=LOGPROB_ATOL,
+        label=f"constrained, shift {shift}",
+    )
+    for name, output in zip(names, outputs, strict=True):
+        assert_stopped(output, name)
+        assert_valid_json(completion(output).text, SCHEMAS[name], name)
+    spec = speculating.engine.stats().speculative
+    assert spec is not None
+    if shift == 0:
+        assert spec.acceptance_rate > 0.9, spec
+        assert spec.mean_accepted_length > 2, spec
+    else:
+        assert spec.num_drafts > len(names), spec
+        assert spec.num_accepted == 0, spec
+    # Sampled answers (each seed its own stream) validate too.
+    sampled = [p for name in names[:6] for p in variants(schema_output(name))[1:]]
+    outputs = speculating.generate(make_prompts(len(sampled), seed=22), sampled, use_tqdm=False)
+    for param, output in zip(sampled, outputs, strict=True):
+        label = f"{param.structured_output} seed {param.seed}"
+        assert_stopped(output, label)
+        assert_valid_json(completion(output).text, json.loads(param.structured_output.spec), label)
+    assert not speculating.engine.has_unfinished()
 
 
 @pytest.mark.parametrize("speculating", [False, True], ids=["plain", "speculating"])
@@ -432,13 +494,7 @@ def test_unconstrained_requests_in_a_mixed_batch_are_untouched(
     alone = [completion(llm.generate([p], free, use_tqdm=False)[0]) for p in free_prompts]
     if speculating:
         answers = {tuple(p): list(c.token_ids) for p, c in zip(free_prompts, alone, strict=True)}
-        registry = load_registry()
-        registry.add("proposer", "answers", lambda params, _: AnswerProposer(params, answers))
-        base = [f"model.path={model_dirs['llama']}", "model.dtype=float32", "kv.page_size=4"]
-        llm = LLM(
-            overrides=[*base, "kv.num_pages=2048", "speculative.plugin=answers", *SPECULATING],
-            registry=registry,
-        )
+        llm = answer_llm(model_dirs["llama"], answers)
 
     names = list(SCHEMAS)[:12]
     constrained = [p for name in names for p in variants(schema_output(name), logprobs=2)]
