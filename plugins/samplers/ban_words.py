@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from brigade.interfaces import LogitsProcessor, Request, SamplerParams, option
-from brigade.plugins.samplers.processors import _token_tensor
+from brigade.plugins.samplers.processors import MAX_ROLLBACK, _token_tensor
 
 __all__ = ["BanWordsOptions", "BanWordsProcessor"]
 
@@ -138,11 +138,19 @@ class BanWordsProcessor(LogitsProcessor):
         """Remember each row's last tokens (nothing to do without multi-token words)."""
         if not self._history_len:
             return
+        keep = self._history_len + MAX_ROLLBACK
         for row, token in zip(rows, token_ids, strict=True):
             history = self._history.get(row)
             if history is not None:
                 history.append(token)
-                del history[: -self._history_len]
+                if len(history) > 2 * keep:
+                    del history[:-keep]
+
+    def rollback(self, row: int, num_tokens: int) -> None:
+        """Forget the row's last ``num_tokens`` tokens (speculative decoding)."""
+        history = self._history.get(row)
+        if history is not None and num_tokens > 0:
+            del history[-num_tokens:]
 
     def accept(self, row: int, token_ids: Sequence[int]) -> None:
         """Remember ``token_ids`` for ``row``."""

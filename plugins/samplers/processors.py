@@ -15,7 +15,10 @@ import torch
 
 from brigade.interfaces import LogitsProcessor, Request, SamplerParams
 
-__all__ = ["LogitBiasProcessor", "MinTokensProcessor", "PenaltiesProcessor"]
+__all__ = ["MAX_ROLLBACK", "LogitBiasProcessor", "MinTokensProcessor", "PenaltiesProcessor"]
+
+MAX_ROLLBACK = 128
+"""Tokens a token-tracking processor can roll back (more than any step's drafts)."""
 
 
 def _token_tensor(
@@ -133,6 +136,9 @@ class MinTokensProcessor(LogitsProcessor):
         self._remaining: dict[int, int] = {}
         """Row -> tokens it must still produce before its stop ids are allowed."""
         self._table = _RowTokenTable(params)
+        self._tracked: dict[int, tuple[int, dict[int, float]]] = {}
+        """Row -> (tokens counted minus min_tokens, its masked ids) from add to remove, so a
+        rollback can mask again what a count had released (speculative decoding)."""
 
     def add(self, row: int, request: Request) -> None:
         """Track ``request`` if it has fewer than ``min_tokens`` output tokens so far."""
@@ -145,13 +151,28 @@ class MinTokensProcessor(LogitsProcessor):
         banned = {token for token in banned if 0 <= token < self._vocab_size}
         if remaining <= 0 or not banned:
             return
+        masked = dict.fromkeys(banned, float("-inf"))
+        self._tracked[row] = (remaining, masked)
         self._remaining[row] = remaining
-        self._table.put(row, dict.fromkeys(banned, float("-inf")))
+        self._table.put(row, masked)
 
     def remove(self, row: int) -> None:
         """Forget ``row``."""
         self._remaining.pop(row, None)
+        self._tracked.pop(row, None)
         self._table.drop(row)
+
+    def rollback(self, row: int, num_tokens: int) -> None:
+        """Uncount the row's last ``num_tokens`` tokens (masking its stop ids again if they
+        bring it back under ``min_tokens``)."""
+        tracked = self._tracked.get(row)
+        if tracked is None:
+            return
+        remaining = tracked[0] + num_tokens
+        self._tracked[row] = (remaining, tracked[1])
+        if remaining > 0:
+            self._remaining[row] = remaining
+            self._table.put(row, tracked[1])
 
     @property
     def is_active(self) -> bool:
@@ -180,9 +201,12 @@ class MinTokensProcessor(LogitsProcessor):
             self._count(row, len(token_ids))
 
     def _count(self, row: int, num_tokens: int) -> None:
-        self._remaining[row] -= num_tokens
-        if self._remaining[row] <= 0:
-            self.remove(row)
+        remaining = self._remaining[row] - num_tokens
+        self._tracked[row] = (remaining, self._tracked[row][1])
+        self._remaining[row] = remaining
+        if remaining <= 0:
+            self._remaining.pop(row)
+            self._table.drop(row)
 
 
 class PenaltiesProcessor(LogitsProcessor):
@@ -213,6 +237,9 @@ class PenaltiesProcessor(LogitsProcessor):
         self._repetition_rows: set[int] = set()
         self._additive_rows: set[int] = set()
         """Rows with a presence or frequency penalty."""
+        self._recent: dict[int, list[int]] = {}
+        """Penalised row -> its latest accepted tokens (at most :data:`MAX_ROLLBACK`), which a
+        rollback uncounts (speculative decoding)."""
 
     def add(self, row: int, request: Request) -> None:
         """Load ``request``'s penalties, prompt mask and (after preemption) output counts."""
@@ -242,9 +269,11 @@ class PenaltiesProcessor(LogitsProcessor):
             self._presence[row] = presence
             self._frequency[row] = frequency
             self._additive_rows.add(row)
+        self._recent[row] = []
 
     def remove(self, row: int) -> None:
         """Reset ``row`` to neutral penalties (its counts are reset by the next ``add``)."""
+        self._recent.pop(row, None)
         if row in self._repetition_rows:
             self._repetition_rows.discard(row)
             self._repetition[row] = 1.0
@@ -289,6 +318,28 @@ class PenaltiesProcessor(LogitsProcessor):
         row_index = torch.tensor(rows, dtype=torch.int64, device=self._device)
         token_index = torch.tensor(token_ids, dtype=torch.int64, device=self._device)
         self._output_counts.index_put_((row_index, token_index), self._one, accumulate=True)
+        recent = self._recent
+        for row, token in zip(rows, token_ids, strict=True):  # penalised rows only
+            history = recent.get(row)
+            if history is not None:
+                history.append(token)
+                if len(history) > MAX_ROLLBACK:
+                    del history[: -(MAX_ROLLBACK // 2)]
+
+    def rollback(self, row: int, num_tokens: int) -> None:
+        """Uncount the row's last ``num_tokens`` tokens; a row without penalties has nothing
+        to undo (its counts are reset when a request with penalties takes it)."""
+        history = self._recent.get(row)
+        if history is None or num_tokens <= 0:
+            return
+        if num_tokens > len(history):
+            raise ValueError(
+                f"row {row}: cannot roll back {num_tokens} tokens, only {len(history)} are kept"
+            )
+        tokens = torch.tensor(history[-num_tokens:], dtype=torch.int64, device=self._device)
+        del history[-num_tokens:]
+        rows = torch.full_like(tokens, row)
+        self._output_counts.index_put_((rows, tokens), -self._one, accumulate=True)
 
     def accept(self, row: int, token_ids: Sequence[int]) -> None:
         """Count ``token_ids`` for ``row``."""

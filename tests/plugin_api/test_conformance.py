@@ -27,7 +27,11 @@ from brigade.options import build_options
 from brigade.plugins.attention.sdpa import SdpaBackend, SdpaMetadata
 from brigade.plugins.executors.torch_executor import TorchExecutor, TorchExecutorOptions
 from brigade.plugins.samplers.ban_words import BanWordsOptions, BanWordsProcessor
-from brigade.plugins.samplers.processors import PenaltiesProcessor
+from brigade.plugins.samplers.processors import (
+    LogitBiasProcessor,
+    MinTokensProcessor,
+    PenaltiesProcessor,
+)
 from brigade.plugins.samplers.standard import StandardSamplerOptions
 from brigade.registry import Component, load_registry
 from brigade.testing.conformance import (
@@ -251,6 +255,42 @@ class DependsOnTheInstance(BanWordsProcessor):
 def test_the_logits_processor_check_fails_a_broken_processor(factory: object, message: str) -> None:
     with pytest.raises(AssertionError, match=message):
         check_logits_processor(factory, BanWordsOptions(token_ids=(3,)))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "stage", [PenaltiesProcessor, MinTokensProcessor, LogitBiasProcessor], ids=lambda c: c.__name__
+)
+def test_the_standard_samplers_stages_pass_the_logits_processor_check(stage: type) -> None:
+    check_logits_processor(lambda params, _: stage(params), None)
+
+
+class ForgetsToRollBack(PenaltiesProcessor):
+    """Claims rollback but keeps the counts of the tokens it should uncount."""
+
+    def rollback(self, row: int, num_tokens: int) -> None:
+        pass
+
+
+class ClaimsIndependence(PenaltiesProcessor):
+    """Says every request is position independent, penalties included."""
+
+    def is_position_independent(self, request: Request) -> bool:
+        return True
+
+
+@pytest.mark.parametrize(
+    ("stage", "message"),
+    [
+        (ForgetsToRollBack, r"ForgetsToRollBack: accepting 3 tokens then rolling them back"),
+        (ClaimsIndependence, r"ClaimsIndependence: is_position_independent is True"),
+    ],
+    ids=["no-rollback", "false-independence"],
+)
+def test_the_logits_processor_check_fails_a_processor_speculation_cannot_trust(
+    stage: type, message: str
+) -> None:
+    with pytest.raises(AssertionError, match=message):
+        check_logits_processor(lambda params, _: stage(params), None)
 
 
 def test_the_logits_processor_check_builds_from_sampler_params() -> None:

@@ -5,8 +5,10 @@ and checks what core relies on: ``apply`` keeps the logits' shape, dtype and dev
 produces no NaN; rows never added, or removed since, are left bit-for-bit untouched; a row is
 keyed by its persistent row, not its position in the step's logits; a reused row starts
 fresh; ``is_active`` is False with no rows; two instances fed the same lifecycle give the
-same logits; and a request added again after a preemption, with its emitted tokens in
-``output_token_ids``, is edited as if it had never left. :func:`check_sampler` runs the same
+same logits; a request added again after a preemption, with its emitted tokens in
+``output_token_ids``, is edited as if it had never left; a request the stage calls position
+independent is edited the same after more tokens, and a stage that rolls back restores its
+edits exactly (speculative decoding). :func:`check_sampler` runs the same
 lifecycle over every stage of a sampler's chain.
 """
 
@@ -87,6 +89,7 @@ def check_logits_processor(
     for step, (one, other) in enumerate(zip(first, again, strict=True)):
         assert torch.equal(one, other), f"{name}: step {step} differs between two instances"
     _check_readd_after_preemption(factory, options, params, random_logits, requests)
+    _check_speculation(factory, options, params, random_logits, requests)
 
 
 def run_processor_lifecycle(
@@ -175,6 +178,47 @@ def _check_readd_after_preemption(
         )
         kept.remove(2)
         preempted.remove(6)
+
+
+def _check_speculation(
+    factory: Callable[[SamplerParams, Any], LogitsProcessor],
+    options: Any,
+    params: SamplerParams,
+    random_logits: Callable[[int], torch.Tensor],
+    requests: Sequence[Request],
+) -> None:
+    """What speculative decoding relies on (API 2.4): a request the stage calls position
+    independent is edited the same after more tokens; and, if the stage can roll back,
+    accepting tokens one by one then rolling them back restores its edits exactly."""
+    name = type(factory(params, options)).__name__
+    can_roll_back = type(factory(params, options)).rollback is not LogitsProcessor.rollback
+    rows = torch.tensor([2], device=params.device)
+    for request in requests:
+        processor = factory(params, options)
+        request = _copy(request)
+        processor.add(2, request)
+        _accept(processor, [2], [3], {2: request})
+        logits = random_logits(1)
+        before = _step(processor, logits, rows)
+        independent = processor.is_position_independent(request)
+        drafts = [4, 1, 2]
+        for token in drafts:
+            _accept(processor, [2], [token], {2: request})
+        after = _step(processor, logits, rows)
+        if independent:
+            assert torch.equal(before, after), (
+                f"{name}: is_position_independent is True for request {request.request_id}, "
+                "but its row is edited differently after more tokens"
+            )
+        if can_roll_back:
+            processor.rollback(2, len(drafts))
+            del request.output_token_ids[-len(drafts) :]
+            restored = _step(processor, logits, rows)
+            assert torch.equal(before, restored), (
+                f"{name}: accepting {len(drafts)} tokens then rolling them back changed how "
+                f"request {request.request_id} is edited"
+            )
+        processor.remove(2)
 
 
 def _step(processor: LogitsProcessor, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
