@@ -136,8 +136,9 @@ def check_config(
 
 
 def _check_speculative(config: EngineConfig, registry: Registry) -> None:
-    """A proposer needs a KV manager that reserves pages for drafts and an executor that
-    returns logits to verify them with."""
+    """A proposer needs a KV manager that reserves pages for drafts. Any executor verifies
+    them: one that returns token ids returns one per logits row, each checked against the
+    next draft like a sampled token (the ``simulated`` executor models acceptance so)."""
     proposer = config["speculative"].plugin
     if proposer is None:
         return
@@ -148,12 +149,6 @@ def _check_speculative(config: EngineConfig, registry: Registry) -> None:
             f"{where}: the KV manager {config.plugin('kv')!r} reserves no pages for draft "
             "tokens (KVManager.supports_draft_tokens); use kv 'paged' or 'radix', or turn "
             "speculation off"
-        )
-    executor = registry.get("executor", config.plugin("executor")).factory
-    if getattr(executor, "returns_token_ids", False):
-        raise ConfigError(
-            f"{where}: the executor {config.plugin('executor')!r} returns token ids, not the "
-            "logits that verify drafts; turn speculation off with it"
         )
 
 

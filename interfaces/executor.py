@@ -70,7 +70,9 @@ class Executor(abc.ABC):
     supports_copy_pages: ClassVar[bool] = False
     returns_token_ids: ClassVar[bool] = False
     """True: :meth:`execute` returns the chosen token ids ``[S]`` (int64) instead of logits,
-    and core skips logits processors and the sampler (e.g. a simulator with no weights)."""
+    and core skips logits processors and the sampler (e.g. a simulator with no weights). Under
+    speculative decoding the id returned at a row is checked against the next row's draft
+    exactly as a sampled token would be: core accepts drafts while they match."""
     returns_hidden_states: ClassVar[bool] = False
     """True: :meth:`execute_with_hidden_states` works, so the engine serves embedding requests
     (API 2.1). Executors without it refuse them at admission."""

@@ -18,6 +18,7 @@ from brigade.plugins.kv.paged import PagedKVManager, PagedKVOptions
 from brigade.plugins.kv.radix import RadixKVManager, RadixKVOptions
 from brigade.plugins.models.architectures import ARCHITECTURES
 from brigade.plugins.proposers.ngram import NgramOptions, NgramProposer
+from brigade.plugins.proposers.repeat import RepeatLastProposer
 from brigade.plugins.proposers.suffix import SuffixOptions, SuffixProposer
 from brigade.plugins.routers.builtin import (
     CacheAwareOptions,
@@ -58,5 +59,6 @@ def brigade_register(registry: ComponentRegistry) -> None:
     registry.add("router", "cache-aware", CacheAwareRouter, options=CacheAwareOptions)
     registry.add("proposer", "ngram", NgramProposer, options=NgramOptions)
     registry.add("proposer", "suffix", SuffixProposer, options=SuffixOptions)
+    registry.add("proposer", "repeat-last", RepeatLastProposer)
     for hf_name, architecture in ARCHITECTURES.items():
         registry.add("model", hf_name, architecture)

@@ -6,6 +6,10 @@ step the time a named GPU would need (see ``docs/simulator.md``) to
 virtual clock advances by it), and returns token ids directly (``returns_token_ids``), so the
 real scheduler and KV manager run at datacenter scale on a CPU. Output lengths come from the
 workload: requests run to ``max_tokens`` with ``ignore_eos``.
+
+Speculative decoding is modelled too: a request verifying drafts is 1 + k decode rows, charged
+like any decode rows, and the id returned at a draft's position matches that draft with
+probability ``draft_acceptance`` (see :meth:`SimulatedExecutor.execute`).
 """
 
 from __future__ import annotations
@@ -94,6 +98,13 @@ class SimulatedExecutorOptions:
         "", help="JSON calibration file of measured step times; '' = the analytic model"
     )
     seed: int = option(0, help="seed of the generator the returned token ids come from", ge=0)
+    draft_acceptance: float = option(
+        0.7,
+        help="speculative decoding: probability that the id returned at a draft's position is "
+        "that draft, independently at each position (all k drafts: p^k)",
+        ge=0,
+        le=1,
+    )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -293,6 +304,7 @@ class SimulatedExecutor(Executor):
                 "set [model] max_model_len"
             )
         self.generator = torch.Generator().manual_seed(options.seed)
+        self.draft_acceptance = options.draft_acceptance
         self._modelled_time_s = 0.0
         self.last_step_s = 0.0
         """The modelled cost of the latest step."""
@@ -326,12 +338,49 @@ class SimulatedExecutor(Executor):
 
     def execute(self, batch: ModelInput) -> torch.Tensor:
         """Charge the step's cost to :meth:`modelled_time_s`; return int64 token ids ``[S]``
-        drawn from the seed."""
+        drawn from the seed.
+
+        A logits row followed by a draft row of its request (speculative decoding: the next
+        row's input id is the draft the returned id is checked against) returns that draft
+        with probability ``draft_acceptance`` and any other id otherwise; every other row
+        returns a uniformly random id."""
         query_lens = torch.diff(batch.query_start_loc_cpu).tolist()
         seq_lens = batch.seq_lens_cpu.tolist()
         num_sampled = int(batch.logits_indices.shape[0])
         self.last_step_s = self.cost.step_time(query_lens, seq_lens, num_sampled)
         self._modelled_time_s += self.last_step_s
-        return torch.randint(
+        token_ids = torch.randint(
             0, self.shape.vocab_size, (num_sampled,), generator=self.generator, dtype=torch.int64
         )
+        if batch.num_decodes > 1:
+            self._answer_drafts(batch, token_ids)
+        return token_ids
+
+    def _answer_drafts(self, batch: ModelInput, token_ids: torch.Tensor) -> None:
+        """Overwrite ``token_ids`` at the logits rows that verify a draft.
+
+        A draft row is the decode row after its request's previous one: the same block table,
+        one more token of context. Rows of two requests never share the page being written, so
+        equal tables with consecutive lengths identify a request's rows. Draws from the
+        generator only in steps that verify drafts, so runs without speculation are unchanged.
+        """
+        num_decodes = batch.num_decodes  # decode rows have one token: row index == token index
+        seq_lens = batch.seq_lens_cpu[:num_decodes]
+        follows = seq_lens[1:] == seq_lens[:-1] + 1  # [D - 1]: row i + 1 may continue row i
+        candidates = follows.nonzero().squeeze(1)
+        if candidates.numel() == 0:
+            return
+        tables = batch.block_tables
+        follows[candidates] = (tables[candidates] == tables[candidates + 1]).all(dim=1)
+        drafted = torch.zeros(batch.num_tokens, dtype=torch.bool)  # [T]: a draft row follows
+        drafted[: num_decodes - 1] = follows
+        logits_rows = batch.logits_indices  # [S]
+        verifying = drafted[logits_rows].nonzero().squeeze(1)  # indices into token_ids
+        if verifying.numel() == 0:
+            return
+        drafts = batch.input_ids[logits_rows[verifying] + 1]  # [V]
+        accept = torch.rand(drafts.shape, generator=self.generator) < self.draft_acceptance
+        # A rejection is any other id: draw from vocab - 1 ids and skip the draft's.
+        others = torch.randint(0, self.shape.vocab_size - 1, drafts.shape, generator=self.generator)
+        others += others >= drafts
+        token_ids[verifying] = torch.where(accept, drafts, others)

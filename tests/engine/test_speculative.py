@@ -20,6 +20,8 @@ from brigade import LLM, SamplingParams
 from brigade.errors import ConfigError
 from brigade.interfaces import DraftSlot, NoOptions, Proposer, ProposerParams, Request
 from brigade.models.create import create_model
+from brigade.plugins.kv.paged import PagedKVManager, PagedKVOptions
+from brigade.plugins.samplers.processors import LogitBiasProcessor
 from brigade.registry import Registry, load_registry
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
@@ -261,13 +263,54 @@ def test_who_speculates(model_dirs: dict) -> None:
     )
     run(llm, token_prompts)
     assert proposers[-1].seen == [], "speculated in a batch larger than max_batch_size"
-    # A request whose logits stages depend on its tokens (penalties) never speculates.
+    # A request under a stage that depends on its tokens and cannot roll back never does.
     llm = LLM(overrides=[*base, "speculative.plugin=test"], registry=registry_with(factory))
-    penalised = dataclasses.replace(GREEDY, presence_penalty=0.5)
-    llm.generate(token_prompts, [penalised, GREEDY, GREEDY, GREEDY])
+    llm.engine.speculation.processors.append(NoRollback())  # type: ignore[union-attr]
+    llm.generate(token_prompts, [GREEDY, GREEDY, GREEDY, GREEDY])
     seen = set(proposers[-1].seen)
     assert "0-0" not in seen, seen
     assert {"1-0", "2-0", "3-0"} <= seen, seen
+
+
+class NoRollback(LogitBiasProcessor):
+    """Depends on the tokens of the first request (request id 0-0) and cannot roll back."""
+
+    def __init__(self) -> None:
+        pass
+
+    def is_position_independent(self, request: Request) -> bool:
+        return request.request_id != "0-0"
+
+
+def test_penalties_and_min_tokens_speculate_exactly(model_dirs: dict) -> None:
+    """The sampling stage walks the penalties and min_tokens stages through the drafts."""
+    model_dir = model_dirs["qwen3"]
+    token_prompts = repetitive_prompts()
+    eos = 5
+    params = [
+        dataclasses.replace(GREEDY, presence_penalty=0.8, frequency_penalty=0.5),
+        dataclasses.replace(GREEDY, repetition_penalty=1.5),
+        dataclasses.replace(GREEDY, min_tokens=8, stop_token_ids=[eos], ignore_eos=False),
+        dataclasses.replace(GREEDY, logit_bias={eos: 3.0, 7: -2.0}),
+    ]
+    reference = [
+        (o.outputs[0].token_ids, o.outputs[0].logprobs)
+        for o in make_llm(model_dir).generate(token_prompts, params)
+    ]
+    answers = answers_of(token_prompts, reference)
+    for shift in (0, 1):
+        llm = oracle_llm(model_dir, answers, shift=shift)
+        ours = [
+            (o.outputs[0].token_ids, o.outputs[0].logprobs)
+            for o in llm.generate(token_prompts, params)
+        ]
+        assert_same_greedy(ours, reference, f"penalties, shift {shift}")
+        assert_same_logprobs(ours, reference)
+        stats = llm.engine.stats().speculative
+        assert stats is not None
+        if shift == 0:
+            assert stats.acceptance_rate > 0.9, stats
+            assert llm.engine.num_steps < GREEDY.max_tokens, llm.engine.num_steps
 
 
 class BrokenProposer(Proposer):
@@ -308,17 +351,37 @@ def test_a_failing_proposer_costs_speed_never_output(
     assert stats.num_drafts == 0
 
 
+class NoDraftsKV(PagedKVManager):
+    """A KV manager that reserves no pages for draft tokens."""
+
+    supports_draft_tokens = False
+
+
 def test_config_refuses_what_cannot_speculate(model_dirs: dict) -> None:
     model_dir = model_dirs["llama"]
-    with pytest.raises(ConfigError, match="returns token ids"):
+    registry = load_registry()
+    registry.add("kv", "no-drafts", NoDraftsKV, options=PagedKVOptions)
+    with pytest.raises(ConfigError, match="reserves no pages for draft tokens"):
         LLM(
             overrides=[
                 f"model.path={model_dir}",
-                "executor.plugin=simulated",
+                "kv.plugin=no-drafts",
                 "speculative.plugin=ngram",
-            ]
+            ],
+            registry=registry,
         )
-    with pytest.raises(ConfigError, match="registered proposer plugins: ngram, suffix"):
+    # An executor that returns token ids verifies drafts with them (the simulator does).
+    simulated = LLM(
+        overrides=[
+            f"model.path={model_dir}",
+            "executor.plugin=simulated",
+            "speculative.plugin=ngram",
+        ]
+    )
+    assert simulated.engine.speculation is not None
+    with pytest.raises(
+        ConfigError, match="registered proposer plugins: ngram, repeat-last, suffix"
+    ):
         LLM(overrides=[f"model.path={model_dir}", "speculative.plugin=eagle"])
     with pytest.raises(ConfigError, match="num_speculative_tokens"):
         LLM(
