@@ -27,6 +27,7 @@ next, one more after each step that accepted all of its drafts.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 from collections.abc import Sequence
 
@@ -66,6 +67,31 @@ class SpeculativeStats:
     @property
     def acceptance_rate(self) -> float:
         return self.num_accepted / self.num_drafts if self.num_drafts else 0.0
+
+    @staticmethod
+    def combine(stats: Sequence[SpeculativeStats | None], sign: int = 1) -> SpeculativeStats | None:
+        """``stats[0] + sign * stats[1] + sign * stats[2] ...`` field by field and position by
+        position (replicas added up: sign 1; a run's counters, after less before: sign -1);
+        None entries are skipped, and None comes back when all are."""
+        present = [s for s in stats if s is not None]
+        if not present:
+            return None
+        first, rest = present[0], present[1:]
+
+        def total(values: Sequence[int]) -> int:
+            return values[0] + sign * sum(values[1:])
+
+        def by_position(rows: list[tuple[int, ...]]) -> tuple[int, ...]:
+            return tuple(total(column) for column in itertools.zip_longest(*rows, fillvalue=0))
+
+        everyone = [first, *rest]
+        return SpeculativeStats(
+            total([s.num_drafts for s in everyone]),
+            total([s.num_accepted for s in everyone]),
+            total([s.num_verifications for s in everyone]),
+            by_position([s.accepted_by_position for s in everyone]),
+            by_position([s.drafts_by_position for s in everyone]),
+        )
 
     @property
     def mean_accepted_length(self) -> float:

@@ -103,6 +103,12 @@ class RunMetrics:
     failed_extra: tuple[Mapping[str, ExtraValue], ...] = ()
     """The ``extra`` data of the failed requests, where known: per-group goodput and deadline
     misses count them too."""
+    draft_acceptance_rate: float | None = None
+    """Speculative decoding over the run: draft tokens accepted / verified. None where the
+    engine does not speculate, or it cannot be observed (an HTTP endpoint): left out."""
+    mean_accepted_length: float | None = None
+    """Speculative decoding over the run: tokens emitted per request-step that verified drafts
+    (accepted drafts plus the sampled token). None as for ``draft_acceptance_rate``."""
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -200,6 +206,10 @@ def summarize_run(
         metrics["preemptions"] = float(run.num_preemptions)
     if run.prefix_hit_rate is not None:
         metrics["prefix_hit_rate"] = run.prefix_hit_rate
+    if run.draft_acceptance_rate is not None:
+        metrics["draft_acceptance_rate"] = run.draft_acceptance_rate
+    if run.mean_accepted_length is not None:
+        metrics["mean_accepted_length"] = run.mean_accepted_length
     if by is not None:
         metrics.update(_group_metrics(timings, run, slo, by))
     return metrics
@@ -341,6 +351,8 @@ SWEEP_COLUMNS = (
     "deadline_miss_fraction",
     "failed_requests",
     "preemptions",
+    "draft_acceptance_rate",
+    "mean_accepted_length",
 )
 """The metrics of a sweep table, where present; every metric is in the JSON."""
 _SWEEP_GROUP_COLUMNS = ("ttft_p50_ms[priority=", "goodput_fraction[", "deadline_miss_fraction[")

@@ -35,12 +35,15 @@ def run_simulated(
         for r in result.requests
     ]
     _report_refused(path or "default", result.errors, len(workload))
+    spec = result.speculative
     metrics = RunMetrics(
         result.duration_s,
         result.num_preemptions,
         result.prefix_hit_rate,
         num_failed=len(result.errors),
         failed_extra=tuple(workload[index].extra for index in result.refused),
+        draft_acceptance_rate=None if spec is None else spec.acceptance_rate,
+        mean_accepted_length=None if spec is None else spec.mean_accepted_length,
     )
     return timings, metrics
 
@@ -102,12 +105,21 @@ def run_real(
     after = engine.stats()
     queries = after.prefix_cache_queries - before.prefix_cache_queries
     hits = after.prefix_cache_hits - before.prefix_cache_hits
+    from brigade.speculative import SpeculativeStats  # the engine is loaded by now
+
+    speculative = (
+        None
+        if after.speculative is None
+        else SpeculativeStats.combine([after.speculative, before.speculative], sign=-1)
+    )
     run = RunMetrics(
         duration_s=time.perf_counter() - start,
         num_preemptions=after.num_preemptions - before.num_preemptions,
         prefix_hit_rate=hits / queries if queries else 0.0,
         num_failed=len(errors),
         failed_extra=tuple(workload[index].extra for index in refused),
+        draft_acceptance_rate=None if speculative is None else speculative.acceptance_rate,
+        mean_accepted_length=None if speculative is None else speculative.mean_accepted_length,
     )
     _report_refused(prefix.rstrip("-") or "engine", errors, len(workload))
     return [timings[i] for i in sorted(timings)], run

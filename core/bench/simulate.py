@@ -26,6 +26,7 @@ from brigade.engine import EngineCore
 from brigade.errors import ConfigError
 from brigade.interfaces import EMPTY_EXTRA, ExtraValue, ReplicaLoad, Router, RouterParams
 from brigade.registry import Registry, default_registry
+from brigade.speculative import SpeculativeStats
 
 __all__ = ["RequestRecord", "SimulationResult", "VirtualClock", "run_simulation"]
 
@@ -89,6 +90,8 @@ class SimulationResult:
     """One message per request the engine refused (e.g. a prompt longer than the context)."""
     refused: tuple[int, ...] = ()
     """Workload indices of the requests in ``errors``, in the same order."""
+    speculative: SpeculativeStats | None = None
+    """Speculative decoding's counters over the run, every replica's added up (None: off)."""
 
     @property
     def output_tokens(self) -> int:
@@ -263,4 +266,5 @@ def _run(
         wall_s=time.perf_counter() - started,
         errors=tuple(errors),
         refused=tuple(refused),
+        speculative=SpeculativeStats.combine([s.speculative for s in stats]),
     )

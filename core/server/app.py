@@ -93,6 +93,7 @@ def _handlers(state: ServerState) -> list[Any]:
             prefix_cache_queries=stats.prefix_cache_queries,
             prefix_cache_hits=stats.prefix_cache_hits,
             num_preemptions=stats.num_preemptions,
+            speculative=stats.speculative,
         )
         body, content_type = state.metrics.render()
         return Response(body, media_type=content_type)

@@ -29,6 +29,7 @@ from brigade.interfaces import (
 )
 from brigade.server.errors import EngineOverloadedError, EngineUnavailableError
 from brigade.server.request_streams import RequestStreams
+from brigade.speculative import SpeculativeStats
 
 __all__ = ["ReplicatedEngine", "combined_stats"]
 
@@ -85,7 +86,7 @@ class ReplicatedEngine:
     def snapshot(self) -> EngineStats:
         """Every replica's counters added up: the live ones' gauges (requests, pages; a dead
         one's are gone), and every one's running totals (steps, prefix-cache lookups,
-        preemptions), so that they never go back."""
+        preemptions, speculation's counters), so that they never go back."""
         live = combined_stats([r.snapshot for r in self._live()])
         dead = [r.snapshot for i, r in enumerate(self.replicas) if not self._in_rotation(i)]
         if not dead:
@@ -93,6 +94,9 @@ class ReplicatedEngine:
         return dataclasses.replace(
             live,
             **{name: getattr(live, name) + sum(getattr(s, name) for s in dead) for name in _TOTALS},
+            speculative=SpeculativeStats.combine(
+                [live.speculative, *(s.speculative for s in dead)]
+            ),
         )
 
     @property
@@ -222,7 +226,8 @@ class ReplicatedEngine:
 
 
 _TOTALS = ("num_steps", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits")
-"""``EngineStats`` fields that only grow (the others are gauges)."""
+"""``EngineStats`` fields that only grow (the others are gauges; ``speculative`` holds totals
+too, combined by ``SpeculativeStats.combine``)."""
 
 
 def combined_stats(snapshots: Sequence[EngineStats]) -> EngineStats:
@@ -232,7 +237,7 @@ def combined_stats(snapshots: Sequence[EngineStats]) -> EngineStats:
     total = {
         field.name: sum(getattr(s, field.name) for s in snapshots)
         for field in dataclasses.fields(EngineStats)
-        if field.name != "mean_queue_time_s"
+        if field.name not in ("mean_queue_time_s", "speculative")
     }
     steps = sum(s.num_steps for s in snapshots)
     queue_time = (
@@ -240,4 +245,8 @@ def combined_stats(snapshots: Sequence[EngineStats]) -> EngineStats:
         if steps
         else sum(s.mean_queue_time_s for s in snapshots) / len(snapshots)
     )
-    return EngineStats(**total, mean_queue_time_s=queue_time)
+    return EngineStats(
+        **total,
+        mean_queue_time_s=queue_time,
+        speculative=SpeculativeStats.combine([s.speculative for s in snapshots]),
+    )

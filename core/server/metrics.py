@@ -14,16 +14,21 @@ requests it serves and a scrape lands on any of them, so each is started with
 multiprocess mode, which a process picks when it first imports prometheus_client) and
 :meth:`ServerMetrics.render` serves the sum of what they all wrote there. The engine's figures,
 which every front end receives alike, are counted once (:meth:`ServerMetrics.observe_engine`).
+
+Speculative decoding's counters (``spec_decode_*``, vLLM v1's names) exist only on a server
+that speculates, as in vLLM: a dashboard can tell "off" (no series) from "on, nothing drafted
+yet" (0).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -36,6 +41,9 @@ from prometheus_client import (
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
 from brigade.interfaces import STRUCTURED_OUTPUT_KINDS
+
+if TYPE_CHECKING:
+    from brigade.speculative import SpeculativeStats
 
 __all__ = ["FINISH_REASONS", "METRIC_NAMES", "MULTIPROCESS_ENV", "ServerMetrics", "forget_process"]
 
@@ -84,7 +92,17 @@ every front end receives alike and sets when it is scraped: the value set last i
 one (summing would count the engine once per front end). "live": a front end that exits takes
 its gauges along (:func:`forget_process`). A process of its own ignores it."""
 ENGINE_TOTALS = ("prefix_cache_queries_total", "prefix_cache_hits_total", "num_preemptions_total")
-"""The counters fed from the engine's running totals (:meth:`ServerMetrics.observe_engine`)."""
+"""The counters fed from the engine's running totals (:meth:`ServerMetrics.observe_engine`),
+besides speculation's (:data:`SPECULATIVE_TOTALS`)."""
+SPECULATIVE_TOTALS = (
+    "spec_decode_num_drafts_total",
+    "spec_decode_num_draft_tokens_total",
+    "spec_decode_num_accepted_tokens_total",
+)
+"""Speculation's counters fed from ``SpeculativeStats`` (``num_verifications``, ``num_drafts``,
+``num_accepted``), then the per-position ones, labelled ``position``: accepted tokens
+(vLLM's) and draft tokens (Brigade's; with adaptive draft lengths, position j's acceptance rate
+is accepted[j] / draft_tokens[j], not accepted[j] / drafts)."""
 
 
 class _Series:
@@ -107,6 +125,16 @@ class _Series:
             child.set(value)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _EngineTotal:
+    """A counter that follows one of the engine's running totals, and how its sample reads in
+    a multiprocess collection: name without prefix, labels beyond the naming's own."""
+
+    series: _Series
+    sample: str
+    labels: tuple[tuple[str, str], ...] = ()
+
+
 class ServerMetrics:
     """The serving metrics of one model, in a registry of their own.
 
@@ -118,6 +146,11 @@ class ServerMetrics:
     (vLLM's ``vllm:*`` names with its ``model_name`` and ``engine`` labels, so dashboards built
     for vLLM work unchanged) or ``both``.
 
+    ``speculative_positions``: the most draft tokens one request verifies in one step
+    (``[speculative] num_speculative_tokens``) on a server that speculates, which adds the
+    ``spec_decode_*`` counters (one ``position`` label value per draft position); 0 (off)
+    leaves them out.
+
     ``multiprocess_dir``: this process is one of several front ends of one server, all started
     with :data:`MULTIPROCESS_ENV` set to this directory (one ``ServerMetrics`` per process).
     :meth:`render` then answers for the whole server: counters and histograms summed over the
@@ -126,7 +159,12 @@ class ServerMetrics:
     """
 
     def __init__(
-        self, model_name: str, *, names: str = "brigade", multiprocess_dir: str | None = None
+        self,
+        model_name: str,
+        *,
+        names: str = "brigade",
+        speculative_positions: int = 0,
+        multiprocess_dir: str | None = None,
     ) -> None:
         if names not in METRIC_NAMES:
             raise ValueError(f"metric names {names!r}: expected one of {METRIC_NAMES}")
@@ -279,9 +317,44 @@ class ServerMetrics:
             "grammar_errors_total",
             "Requests refused because their schema, regex or grammar was invalid.",
         )
-        self._engine_totals = (self._prefix_queries, self._prefix_hits, self._preemptions)
-        """The counters of :data:`ENGINE_TOTALS`, in that order."""
-        self._last_totals: Sequence[float] = (0, 0, 0)
+        self._engine_totals = [
+            _EngineTotal(series, name)
+            for series, name in zip(
+                (self._prefix_queries, self._prefix_hits, self._preemptions),
+                ENGINE_TOTALS,
+                strict=True,
+            )
+        ]
+        """The counters of :data:`ENGINE_TOTALS`, then of :data:`SPECULATIVE_TOTALS`, in the
+        order of the totals :meth:`observe_engine` reads."""
+        self.speculative_positions = speculative_positions
+        if speculative_positions:
+            for name, doc in zip(
+                SPECULATIVE_TOTALS,
+                (
+                    "Request-steps that verified at least one draft token.",
+                    "Draft tokens verified.",
+                    "Draft tokens accepted.",
+                ),
+                strict=True,
+            ):
+                self._engine_totals.append(_EngineTotal(counter(name, doc), name))
+            positions = [str(position) for position in range(speculative_positions)]
+            for name, doc in (
+                (
+                    "spec_decode_num_accepted_tokens_per_pos_total",
+                    "Draft tokens accepted, by position in their step's drafts (0: the first).",
+                ),
+                (
+                    "spec_decode_num_draft_tokens_per_pos_total",
+                    "Draft tokens verified, by position in their step's drafts (0: the first).",
+                ),
+            ):
+                series = by_label(Counter, name, doc, "position", positions)
+                self._engine_totals += [
+                    _EngineTotal(series[p], name, (("position", p),)) for p in positions
+                ]
+        self._last_totals: Sequence[float] = [0] * len(self._engine_totals)
         """The engine's totals at the previous :meth:`observe_engine` (one process)."""
 
     def observe_first_token(self, ttft_s: float, queue_time_s: float) -> None:
@@ -365,15 +438,19 @@ class ServerMetrics:
         prefix_cache_queries: int,
         prefix_cache_hits: int,
         num_preemptions: int,
+        *,
+        speculative: SpeculativeStats | None = None,
     ) -> None:
         """Record a snapshot of the engine.
 
-        ``num_running``, ``num_waiting`` and ``kv_usage`` (clamped to 0..1) set gauges. The last
-        three are the engine's cumulative totals (``KVStats``, ``SchedulerStats``); each counter
-        advances by the increase since the previous call. A total lower than the previous one
-        means the engine was replaced (its totals restarted): that call adds nothing and the new
-        total becomes the baseline, so a counter never goes backwards. What the new engine counted
-        before its first snapshot is lost, which keeps a stray low value from being counted twice.
+        ``num_running``, ``num_waiting`` and ``kv_usage`` (clamped to 0..1) set gauges. The
+        next three, and ``speculative`` (``EngineStats.speculative``; read only with
+        ``speculative_positions``, and None leaves speculation's counters as they are), are the
+        engine's cumulative totals; each counter advances by the increase since the previous
+        call. A total lower than the previous one means the engine was replaced (its totals
+        restarted): that call adds nothing and the new total becomes the baseline, so a counter
+        never goes backwards. What the new engine counted before its first snapshot is lost,
+        which keeps a stray low value from being counted twice.
 
         With ``multiprocess_dir`` the previous total is what all front ends have counted
         together, so the server's counter is the highest total any of them has reported, however
@@ -385,39 +462,61 @@ class ServerMetrics:
         usage = min(max(kv_usage, 0.0), 1.0)
         self._kv_usage.set(usage)
         self._gpu_cache_usage.set(usage)
-        totals = (prefix_cache_queries, prefix_cache_hits, num_preemptions)
+        totals = [prefix_cache_queries, prefix_cache_hits, num_preemptions]
+        if speculative is not None and self.speculative_positions:
+            totals += _speculative_totals(speculative, self.speculative_positions)
         directory = self.multiprocess_dir
         if directory is None:
             self._advance_engine_totals(totals, self._last_totals)
-            self._last_totals = totals
+            self._last_totals = [*totals, *self._last_totals[len(totals) :]]
             return
         # Locked: two front ends scraped at once would both add the same increase.
         with _locked(Path(directory) / "engine-totals.lock"):
             self._advance_engine_totals(totals, self._counted_by_all(directory))
 
     def _advance_engine_totals(self, totals: Sequence[int], counted: Sequence[float]) -> None:
-        for counter, total, seen in zip(self._engine_totals, totals, counted, strict=True):
+        """Advance the first ``len(totals)`` engine counters (all but speculation's when the
+        snapshot has none)."""
+        for engine_total, total, seen in zip(self._engine_totals, totals, counted, strict=False):
             if total > seen:
-                counter.inc(total - seen)
+                engine_total.series.inc(total - seen)
 
     def _counted_by_all(self, directory: str) -> list[float]:
-        """:data:`ENGINE_TOTALS` as counted by every front end together (under the first
+        """The engine counters as counted by every front end together (under the first
         naming; the others advance alike)."""
         prefix, labels, values = self._flavours[0]
-        ours = dict(zip(labels, values, strict=True))
+        ours = tuple(zip(labels, values, strict=True))
         counted = {
-            sample.name: sample.value
+            (sample.name, tuple(sorted(sample.labels.items()))): sample.value
             for family in MultiProcessCollector(None, path=directory).collect()
             if family.type == "counter"
             for sample in family.samples
-            if sample.labels == ours
         }
-        return [counted.get(prefix + name, 0.0) for name in ENGINE_TOTALS]
+        return [
+            counted.get((prefix + total.sample, tuple(sorted((*ours, *total.labels)))), 0.0)
+            for total in self._engine_totals
+        ]
 
     def render(self) -> tuple[bytes, str]:
         """The exposition body and its HTTP content type: this registry's series, or with
         ``multiprocess_dir`` the whole server's."""
         return generate_latest(self._exposed), CONTENT_TYPE_LATEST
+
+
+def _speculative_totals(stats: SpeculativeStats, positions: int) -> list[int]:
+    """``stats`` in the order of :data:`SPECULATIVE_TOTALS` and the per-position counters,
+    each per-position tuple cut or padded to ``positions``."""
+
+    def by_position(counts: Sequence[int]) -> list[int]:
+        return [*counts[:positions], *[0] * (positions - len(counts))]
+
+    return [
+        stats.num_verifications,
+        stats.num_drafts,
+        stats.num_accepted,
+        *by_position(stats.accepted_by_position),
+        *by_position(stats.drafts_by_position),
+    ]
 
 
 def forget_process(multiprocess_dir: str, pid: int) -> None:

@@ -60,7 +60,15 @@ def frontend_state(
         tokenizer, config["detokenizer"].options
     )
     model_name = settings.served_model_name or checkpoint.name
-    metrics = ServerMetrics(model_name, names=settings.metrics_names, multiprocess_dir=metrics_dir)
+    speculative = config["speculative"]
+    metrics = ServerMetrics(
+        model_name,
+        names=settings.metrics_names,
+        speculative_positions=(
+            0 if speculative.plugin is None else speculative.settings.num_speculative_tokens
+        ),
+        multiprocess_dir=metrics_dir,
+    )
     metrics.set_components(config.components)
     return ServerState(
         async_engine=engine,

@@ -187,6 +187,46 @@ def test_bench_runs_a_real_executor_on_the_wall_clock(
     assert metrics["itl_p99_ms"]["mean"] < metrics["e2e_p99_ms"]["mean"]
 
 
+def test_bench_reports_speculations_acceptance_beside_a_config_without(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model_dir = create_model(tmp_path / "tiny", "llama", overrides={"num_hidden_layers": 2})
+    base = f'[model]\npath = "{model_dir}"\n[kv]\npage_size = 8\nnum_pages = 128\n'
+    (tmp_path / "off.toml").write_text(base)
+    (tmp_path / "ngram.toml").write_text(
+        base + '[speculative]\nplugin = "ngram"\nmax_tokens_per_step = 64\n'
+    )
+    # Repetitive prompts: greedy decoding of the random model falls into loops that the
+    # n-gram proposer drafts.
+    trace = tmp_path / "w.jsonl"
+    trace.write_text(
+        "".join(
+            json.dumps({"arrival_time": 0.0, "prompt_token_ids": pattern * 8, "output_len": 48})
+            + "\n"
+            for pattern in ([5, 6, 7, 8, 9], [11, 12, 13], [5, 6, 7, 8, 9])
+        )
+    )
+    out = tmp_path / "bench.json"
+    configs = [arg for name in ("off", "ngram") for arg in ("--config", f"{tmp_path}/{name}.toml")]
+    assert main(["bench", *configs, "--workload", str(trace), "--json", str(out)]) == 0
+    rows = {
+        cells[0]: cells[1:]
+        for line in capsys.readouterr().out.splitlines()
+        if (cells := [cell.strip() for cell in line.strip("|").split("|")])
+    }
+    assert rows["metric"] == ["off", "ngram"]
+    off, ngram = (json.loads(out.read_text())["configs"][n]["metrics"] for n in ("off", "ngram"))
+    assert rows["draft_acceptance_rate"][0] == rows["mean_accepted_length"][0] == "-"
+    assert "draft_acceptance_rate" not in off
+    assert "mean_accepted_length" not in off
+    rate = ngram["draft_acceptance_rate"]["mean"]
+    assert 0 < rate <= 1
+    assert float(rows["draft_acceptance_rate"][1]) == pytest.approx(rate, rel=1e-3)
+    # Each verifying step emits its accepted drafts and one sampled token: 1 to k + 1 (k = 5).
+    assert 1 < ngram["mean_accepted_length"]["mean"] <= 6
+    assert off["output_tokens"]["mean"] == ngram["output_tokens"]["mean"] == 3 * 48
+
+
 def test_bench_errors_are_one_line_messages(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -24,6 +24,7 @@ from brigade.plugins.routers.builtin import (
 from brigade.server.async_engine import AsyncEngine
 from brigade.server.data_parallel import ReplicatedEngine, combined_stats
 from brigade.server.errors import EngineUnavailableError
+from brigade.speculative import SpeculativeStats
 from tests.engine_helpers import make_llm, prompts
 from tests.server_harness import tiny_model
 
@@ -167,4 +168,11 @@ def test_combined_stats_add_counters_and_weigh_queue_time_by_steps() -> None:
     assert (total.num_steps, total.num_running, total.num_waiting) == (40, 6, 1)
     assert (total.num_free_pages, total.num_pages, total.prefix_cache_hits) == (60, 128, 55)
     assert total.mean_queue_time_s == pytest.approx((0.2 * 10 + 0.6 * 30) / 40)
+    assert total.speculative is None
     assert ReplicaLoad(0, 2, 1, 0.5).load == 3
+
+
+def test_combined_stats_add_speculation_position_by_position() -> None:
+    a = EngineStats(10, 2, 1, 0, 100, 50, 20, 64, 0.2, SpeculativeStats(6, 3, 4, (3, 0), (4, 2)))
+    b = EngineStats(30, 4, 0, 1, 10, 5, 40, 64, 0.6, SpeculativeStats(5, 4, 3, (3, 1), (3, 2)))
+    assert combined_stats([a, b]).speculative == SpeculativeStats(11, 7, 7, (6, 1), (7, 4))

@@ -12,6 +12,7 @@ import pytest
 from brigade.engine import EngineStats
 from brigade.interfaces import PoolingParams, SamplingParams, StructuredOutput
 from brigade.server import engine_protocol as wire
+from brigade.speculative import SpeculativeStats
 
 STATS = EngineStats(7, 2, 3, 1, 10, 4, 50, 64, 0.25)
 INFO = wire.EngineInfo(
@@ -126,8 +127,12 @@ def test_engine_messages_round_trip() -> None:
         ),
         wire.RequestUpdate("c", [], True, "stop", 3.0, embedding=[0.5, -0.5]),
     ]
+    speculating = dataclasses.replace(
+        STATS, speculative=SpeculativeStats(9, 5, 4, (3, 2, 0), (4, 3, 2))
+    )
     for message in (
         wire.StepOutputs(updates, STATS),
+        wire.StepOutputs([], speculating),
         wire.Ready(INFO, STATS),
         wire.EngineFailed("the scheduler broke"),
     ):

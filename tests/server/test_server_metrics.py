@@ -13,6 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from brigade.server.metrics import FINISH_REASONS, MULTIPROCESS_ENV, ServerMetrics, forget_process
+from brigade.speculative import SpeculativeStats
 
 MODEL = "tiny-llama"
 LABEL = {"model_name": MODEL}
@@ -172,22 +173,82 @@ def test_lower_totals_are_a_reset_that_adds_nothing_and_rebases() -> None:
     assert value(metrics, "brigade:num_preemptions_total") == 7
 
 
+# -- speculative decoding ---------------------------------------------------------------------
+
+SPEC = "spec_decode_num_"
+
+
+def speculating(metrics: ServerMetrics, speculative: SpeculativeStats) -> None:
+    metrics.observe_engine(1, 0, 0.5, 0, 0, 0, speculative=speculative)
+
+
+def test_speculation_off_has_no_spec_decode_series() -> None:
+    metrics = ServerMetrics(MODEL, names="both")
+    speculating(metrics, SpeculativeStats(4, 2, 2, (2,), (4,)))
+    assert "spec_decode" not in metrics.render()[0].decode()
+
+
+def test_speculation_counters_use_vllm_names_and_start_at_zero() -> None:
+    metrics = ServerMetrics(MODEL, names="vllm", speculative_positions=3)
+    text = metrics.render()[0].decode()
+    labels = f'engine="0",model_name="{MODEL}"'
+    for name in ("drafts", "draft_tokens", "accepted_tokens"):
+        assert f"vllm:{SPEC}{name}_total{{{labels}}} 0.0" in text
+    for position in range(3):
+        assert (
+            f'vllm:{SPEC}accepted_tokens_per_pos_total{{{labels},position="{position}"}} 0.0'
+        ) in text
+    assert 'position="3"' not in text
+    assert "brigade:" not in text
+
+
+def test_speculation_counters_follow_the_engine_totals_by_position() -> None:
+    metrics = ServerMetrics(MODEL, names="both", speculative_positions=2)
+    latest = SpeculativeStats(10, 5, 6, accepted_by_position=(4, 1), drafts_by_position=(6, 4))
+    speculating(metrics, SpeculativeStats(6, 3, 4, (3, 0), (4, 2)))
+    speculating(metrics, latest)
+    metrics.observe_engine(1, 0, 0.5, 0, 0, 0)  # no speculative figures: counters stay
+    speculating(metrics, latest)  # and are not counted twice after
+    for prefix, engine_label in (("brigade:", {}), ("vllm:", {"engine": "0"})):
+        spec = f"{prefix}{SPEC}"
+        assert value(metrics, f"{spec}drafts_total", **engine_label) == 6
+        assert value(metrics, f"{spec}draft_tokens_total", **engine_label) == 10
+        assert value(metrics, f"{spec}accepted_tokens_total", **engine_label) == 5
+        accepted = [
+            value(metrics, f"{spec}accepted_tokens_per_pos_total", position=p, **engine_label)
+            for p in ("0", "1")
+        ]
+        drafted = [
+            value(metrics, f"{spec}draft_tokens_per_pos_total", position=p, **engine_label)
+            for p in ("0", "1")
+        ]
+        assert (accepted, drafted) == ([4, 1], [6, 4])
+
+
 # -- several front-end processes sharing one directory (prometheus_client multiprocess mode) --
 
 FRONT_END = """
 import json, os, sys
 from brigade.server.metrics import ServerMetrics
-metrics = ServerMetrics("tiny-llama", names="both", multiprocess_dir=sys.argv[1])
+from brigade.speculative import SpeculativeStats
+metrics = ServerMetrics(
+    "tiny-llama", names="both", speculative_positions=2, multiprocess_dir=sys.argv[1]
+)
 metrics.set_components({"scheduler": "fcfs"})
-for method, args in json.loads(sys.argv[2]):
-    getattr(metrics, method)(*args)
+for method, args, *speculative in json.loads(sys.argv[2]):
+    kwargs = {}
+    if speculative:
+        *totals, accepted, drafted = speculative[0]
+        kwargs["speculative"] = SpeculativeStats(*totals, tuple(accepted), tuple(drafted))
+    getattr(metrics, method)(*args, **kwargs)
 print(json.dumps({"pid": os.getpid(), "text": metrics.render()[0].decode()}))
 """
 
 
-def front_end(directory: Path, *calls: tuple[str, list[object]]) -> tuple[int, str]:
+def front_end(directory: Path, *calls: tuple[object, ...]) -> tuple[int, str]:
     """Run ``calls`` on the ``ServerMetrics`` of a new process sharing ``directory``, as a front
-    end of a server with several does; its pid and its ``render()``."""
+    end of a server with several does; its pid and its ``render()``. A call is (method, args)
+    or, for ``observe_engine``, (method, args, ``SpeculativeStats`` fields as a list)."""
     result = subprocess.run(
         [sys.executable, "-c", FRONT_END, str(directory), json.dumps(calls)],
         env={**os.environ, MULTIPROCESS_ENV: str(directory)},
@@ -222,13 +283,13 @@ def two_front_ends(tmp_path_factory: pytest.TempPathFactory) -> str:
         directory,
         ("observe_first_token", [0.05, 0.01]),
         ("observe_finished", [3, 4, 1.0, "stop"]),
-        ("observe_engine", [3, 1, 0.5, 100, 40, 1]),
+        ("observe_engine", [3, 1, 0.5, 100, 40, 1], [8, 4, 5, [3, 1], [5, 3]]),
     )
     _, text = front_end(
         directory,
         ("observe_first_token", [0.2, 0.02]),
         ("observe_finished", [5, 2, 2.0, "length"]),
-        ("observe_engine", [2, 0, 0.25, 120, 50, 2]),
+        ("observe_engine", [2, 0, 0.25, 120, 50, 2], [12, 6, 7, [5, 1], [7, 5]]),
     )
     return text
 
@@ -257,11 +318,19 @@ def test_front_ends_sharing_a_directory_serve_the_servers_totals(two_front_ends:
         assert only(found, f"{prefix}prefix_cache_queries_total", **engine_label) == 120
         assert only(found, f"{prefix}prefix_cache_hits_total", **engine_label) == 50
         assert only(found, f"{prefix}num_preemptions_total", **engine_label) == 2
+        assert only(found, f"{prefix}spec_decode_num_drafts_total", **engine_label) == 7
+        assert only(found, f"{prefix}spec_decode_num_draft_tokens_total", **engine_label) == 12
+        assert only(found, f"{prefix}spec_decode_num_accepted_tokens_total", **engine_label) == 6
+        for position, accepted, drafted in (("0", 5, 7), ("1", 1, 5)):
+            per_position = {"position": position, **engine_label}
+            spec = f"{prefix}spec_decode_num_"
+            assert only(found, f"{spec}accepted_tokens_per_pos_total", **per_position) == accepted
+            assert only(found, f"{spec}draft_tokens_per_pos_total", **per_position) == drafted
         assert only(found, f"{prefix}engine_info", scheduler="fcfs", **engine_label) == 1
 
 
 def test_shared_series_keep_the_names_labels_and_help_of_one_process(two_front_ends: str) -> None:
-    alone = ServerMetrics(MODEL, names="both")
+    alone = ServerMetrics(MODEL, names="both", speculative_positions=2)
     alone.set_components({"scheduler": "fcfs"})
 
     def shape(text: str) -> tuple[set[tuple[str, str, str]], set[tuple[str, tuple[str, ...]]]]:

@@ -123,8 +123,13 @@ def simulate(model_dir: Path, registry: Registry, *extra: str) -> SimulationResu
 
 def test_speculation_takes_fewer_slightly_dearer_steps(model_70b: Path, registry: Registry) -> None:
     plain = simulate(model_70b, registry)
+    assert plain.speculative is None
     for draft_acceptance, most_steps in ((0.3, 0.9), (0.8, 0.45)):
         ours = simulate(model_70b, registry, *speculating(draft_acceptance))
+        # The result carries the counters brigade bench reports (acceptance at position 1 ~ p).
+        assert ours.speculative is not None
+        first = ours.speculative.accepted_by_position[0] / ours.speculative.drafts_by_position[0]
+        assert abs(first - draft_acceptance) < 0.05, first
         # 1 + p + ... + p^K tokens per verification (1.43 and 3.36) instead of one.
         assert ours.num_steps < most_steps * plain.num_steps, (draft_acceptance, ours.num_steps)
         # Each step verifies 32 x (1 + K) rows instead of 32: charged (more KV reads,
