@@ -11,7 +11,9 @@ mean accepted length (tokens emitted per verifying request-step), per workload a
 
 Greedy, each request until EOS or ``--max-tokens``; every engine must produce the same tokens
 (the script checks and says where one differs). Batch 1 runs the prompts one at a time; batch
-B runs B requests at once (the prompts repeated to fill the batch).
+B runs B requests at once (the prompts repeated to fill the batch). Each pass starts with a
+fresh proposer, so ``suffix`` learns only from the requests of that pass, and the engines'
+order reverses every other round.
 
     python benchmarks/speculative.py                           # ngram and suffix, batch 1, 8, 32
     python benchmarks/speculative.py --proposers ngram --batch-sizes 1 --rounds 3
@@ -136,10 +138,21 @@ def spec_counters(llm: LLM) -> tuple[int, int, int]:
     return stats.num_drafts, stats.num_accepted, stats.num_verifications
 
 
+def fresh_proposer(llm: LLM) -> None:
+    """A new proposer for the next pass: ``suffix`` would otherwise draft a repeated prompt's
+    whole answer from the pass before (a cache of identical requests, not what it does for
+    new ones)."""
+    speculation = llm.engine.speculation
+    if speculation is not None:
+        old = speculation.proposer
+        speculation.proposer = type(old)(old.params, old.options)
+
+
 def run_once(
     llm: LLM, prompts: Sequence[str], batch: int, params: SamplingParams
 ) -> tuple[float, list[list[int]], tuple[int, int, int]]:
     """Seconds, each request's tokens and the speculation counters' growth for one pass."""
+    fresh_proposer(llm)
     messages = [[{"role": "user", "content": p}] for p in prompts]
     before = spec_counters(llm)
     outputs: list[list[int]] = []
@@ -167,6 +180,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--model", default="default")
     parser.add_argument("--set", action="append", default=[], help="a brigade setting, a.b=c")
+    parser.add_argument(
+        "--control",
+        action="store_true",
+        help="add a second engine without speculation (off-2): its ratio to off shows what "
+        "engine placement and drift alone do",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     base = [
@@ -176,9 +195,11 @@ def main() -> None:
         "scheduler.max_num_seqs=64",
         *args.set,
     ]
-    names = ["off", *args.proposers.split(",")]
+    names = ["off", *args.proposers.split(","), *(["off-2"] if args.control else [])]
     engines = {
-        name: LLM(overrides=base if name == "off" else [*base, f"speculative.plugin={name}"])
+        name: LLM(
+            overrides=base if name.startswith("off") else [*base, f"speculative.plugin={name}"]
+        )
         for name in names
     }
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
@@ -193,8 +214,9 @@ def main() -> None:
             outputs: dict[str, list[list[int]]] = {}
             for name in names:  # warm-up pass: compiles, caches, first-touch of pages
                 run_once(engines[name], prompts[:1], 1, SamplingParams(max_tokens=8))
-            for _ in range(args.rounds):
-                for name in names:
+            for round_index in range(args.rounds):
+                # Reverse the order every other round: drift favours no engine.
+                for name in names if round_index % 2 == 0 else names[::-1]:
                     seconds, tokens, (drafts, accepted, verifications) = run_once(
                         engines[name], prompts, batch, params
                     )
