@@ -16,10 +16,9 @@ once whatever the rows), handed to the requests with the best acceptance rates f
 nobody speculates in a step where more than ``max_batch_size`` requests run; a request whose
 acceptance rate (a moving average) falls below ``min_acceptance_rate`` sits out
 :data:`PAUSE_STEPS` steps, then starts again with one draft; a request speculates only where
-every logits stage treats its rows the same
-at every position (``LogitsProcessor.is_position_independent``: no penalties, ``min_tokens``
-reached, no structured output, no configured processor that tracks its tokens), since those
-stages would need the drafts' tokens at each position; and, with
+every logits stage either treats its rows the same at every position
+(``LogitsProcessor.is_position_independent``) or can roll back, so that the sampling stage
+can walk it through the drafts (grammar, penalties and ``min_tokens`` do); and, with
 ``adaptive``, a request that had a draft rejected proposes at most ``accepted + 1`` tokens
 next, one more after each step that accepted all of its drafts.
 """
@@ -141,8 +140,9 @@ class Speculation:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.processors = list(processors)
-        """Every logits stage (the grammar's too): each must leave a speculating request's
-        rows alone, or treat them the same at every position."""
+        """Every logits stage (the grammar's too): each must treat a speculating request's
+        rows the same at every position, or be able to roll back (the sampling stage then
+        walks it through the drafts)."""
         self._lengths: dict[str, int] = {}
         """Request id -> the most drafts it proposes next (adaptive rule)."""
         self._rates: dict[str, float] = {}

@@ -139,13 +139,17 @@ class LogitsProcessor(abc.ABC):
     def is_position_independent(self, request: Request) -> bool:
         """True when what :meth:`apply` does to ``request``'s row does not depend on the tokens
         it accepts from now on (API 2.4): one application is then right at every position of
-        a step that verifies its draft tokens (speculative decoding), and core lets it
-        speculate only when every stage answers True. Default: ``not needs_tokens``; a stage
-        that tracks tokens answers True for requests it leaves alone (no penalty, say)."""
+        a step that verifies its draft tokens (speculative decoding). A request speculates only
+        when every stage answers True or implements :meth:`rollback` (core then applies such a
+        stage position by position, accepting each draft and rolling back after). Default:
+        ``not needs_tokens``; a stage that tracks tokens answers True for requests it leaves
+        alone (no penalty, say)."""
         return not self.needs_tokens
 
     def rollback(self, row: int, num_tokens: int) -> None:
-        """Undo the last ``num_tokens`` accepted tokens (speculative decoding)."""
+        """Undo the last ``num_tokens`` accepted tokens (speculative decoding): afterwards
+        :meth:`apply` edits the row exactly as before they were accepted
+        (``check_logits_processor`` checks it). Core rolls back at most 64 tokens at a time."""
         raise NotImplementedError(f"{type(self).__name__} does not support rollback")
 
     def begin_step(self, rows: Sequence[int]) -> None:  # noqa: B027 - optional
