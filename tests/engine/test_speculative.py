@@ -391,3 +391,35 @@ def test_config_refuses_what_cannot_speculate(model_dirs: dict) -> None:
                 "speculative.num_speculative_tokens=0",
             ]
         )
+
+
+def test_n_children_and_seeds_with_speculation(model_dirs: dict) -> None:
+    """Children speculate like any request; a seeded request is reproducible with speculation
+    on (its stream differs from the same seed without it: docs/speculative.md)."""
+    model_dir = model_dirs["llama"]
+    token_prompts = repetitive_prompts()[:2]
+    greedy = dataclasses.replace(GREEDY, n=2)
+    reference = make_llm(model_dir).generate(token_prompts, greedy)
+    answers = {
+        tuple(p): list(o.outputs[0].token_ids)
+        for p, o in zip(token_prompts, reference, strict=True)
+    }
+    llm = oracle_llm(model_dir, answers)
+    ours = llm.generate(token_prompts, greedy)
+    for mine, theirs in zip(ours, reference, strict=True):
+        assert [c.token_ids for c in mine.outputs] == [c.token_ids for c in theirs.outputs]
+    stats = llm.engine.stats().speculative
+    assert stats is not None
+    assert stats.num_accepted > 0
+    seeded = SamplingParams(max_tokens=16, temperature=1.0, seed=5, n=3, ignore_eos=True)
+    # repeat-last offers drafts at every step, so every step verifies some.
+    spec = make_llm(
+        model_dir, "speculative.plugin=repeat-last", "speculative.max_tokens_per_step=64"
+    )
+    first = [[c.token_ids for c in o.outputs] for o in spec.generate(token_prompts, seeded)]
+    again = [[c.token_ids for c in o.outputs] for o in spec.generate(token_prompts, seeded)]
+    assert first == again
+    assert all(len({tuple(c) for c in children}) > 1 for children in first)
+    stats = spec.engine.stats().speculative
+    assert stats is not None
+    assert stats.num_drafts > 2 * 3 * 8
