@@ -265,4 +265,4 @@ class PersistentBatch:
 
 
 def _prefill_last(item: ScheduledRequest) -> bool:
-    return not item.is_decode and not item.num_draft_tokens
+    return not item.is_decode

@@ -196,8 +196,11 @@ class ScheduledRequest:
 
     @property
     def is_decode(self) -> bool:
-        """A decode row (see :func:`is_decode`)."""
-        return is_decode(self.num_new_tokens, self.request.num_computed_tokens)
+        """The request decodes its next token (see :func:`is_decode`): one decode row, or,
+        with draft tokens, one decode row per token (speculative decoding)."""
+        return is_decode(
+            self.num_new_tokens - self.num_draft_tokens, self.request.num_computed_tokens
+        )
 
 
 def is_decode(num_new_tokens: int, num_computed_tokens: int) -> bool:
