@@ -79,6 +79,9 @@ class EngineStats:
     """Mean time from arrival to first scheduled step, over requests scheduled so far."""
     speculative: SpeculativeStats | None = None
     """Speculative decoding's counters; None when it is off."""
+    taken_at: float = 0.0
+    """When the engine took this snapshot (``time.time()``, one clock for every process of a
+    machine): of two snapshots of one engine, the later one is its current state."""
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -431,6 +434,7 @@ class EngineCore:
             num_pages=kv.num_pages,
             mean_queue_time_s=self._queue_time_total / max(1, self._num_scheduled),
             speculative=None if self.speculation is None else self.speculation.stats(),
+            taken_at=time.time(),
         )
 
     # -- the step -----------------------------------------------------------------------

@@ -85,16 +85,7 @@ def _handlers(state: ServerState) -> list[Any]:
 
     @get("/metrics", sync_to_thread=False)
     def metrics() -> Response[bytes]:
-        stats = state.async_engine.snapshot
-        state.metrics.observe_engine(
-            num_running=stats.num_running,
-            num_waiting=stats.num_waiting,
-            kv_usage=1.0 - stats.num_free_pages / max(1, stats.num_pages),
-            prefix_cache_queries=stats.prefix_cache_queries,
-            prefix_cache_hits=stats.prefix_cache_hits,
-            num_preemptions=stats.num_preemptions,
-            speculative=stats.speculative,
-        )
+        state.metrics.observe_snapshot(state.async_engine.snapshot)
         body, content_type = state.metrics.render()
         return Response(body, media_type=content_type)
 

@@ -60,8 +60,12 @@ class ReplicatedEngine:
         """Request id -> the replica it runs on, from routing to its end."""
         self._deaths: dict[int, str] = {}
         self.dead: str | None = None
+        self.on_snapshot: Callable[[EngineStats], None] | None = None
+        """Called with the replicas' combined :attr:`snapshot` whenever one of them has a new
+        one (``RequestStreams.on_snapshot``)."""
         for index, replica in enumerate(self.replicas):
             replica.on_dead = self._replica_died_callback(index)
+            replica.on_snapshot = self._replica_snapshot
             if replica.dead is not None:
                 self._replica_died(index, replica.dead)
 
@@ -81,6 +85,10 @@ class ReplicatedEngine:
     async def start(self) -> None:
         for replica in self.replicas:
             await replica.start()
+
+    def _replica_snapshot(self, _: EngineStats) -> None:
+        if self.on_snapshot is not None:
+            self.on_snapshot(self.snapshot)
 
     @property
     def snapshot(self) -> EngineStats:
@@ -231,13 +239,14 @@ too, combined by ``SpeculativeStats.combine``)."""
 
 
 def combined_stats(snapshots: Sequence[EngineStats]) -> EngineStats:
-    """Counters of several replicas as one engine's (queue time: weighted by steps)."""
+    """Counters of several replicas as one engine's (queue time: weighted by steps; taken at
+    the oldest snapshot's time: every replica's part is at least that recent)."""
     if not snapshots:
         return EngineStats(0, 0, 0, 0, 0, 0, 0, 0, 0.0)
     total = {
         field.name: sum(getattr(s, field.name) for s in snapshots)
         for field in dataclasses.fields(EngineStats)
-        if field.name not in ("mean_queue_time_s", "speculative")
+        if field.name not in ("mean_queue_time_s", "speculative", "taken_at")
     }
     steps = sum(s.num_steps for s in snapshots)
     queue_time = (
@@ -249,4 +258,5 @@ def combined_stats(snapshots: Sequence[EngineStats]) -> EngineStats:
         **total,
         mean_queue_time_s=queue_time,
         speculative=SpeculativeStats.combine([s.speculative for s in snapshots]),
+        taken_at=min(s.taken_at for s in snapshots),
     )

@@ -238,15 +238,17 @@ class EngineClient(RequestStreams):
                 return
             self._watch.heard()
             message = wire.decode_from_engine(data)
-            if isinstance(message, wire.StepOutputs):
-                self.snapshot = message.stats
-                for update in message.updates:
-                    self._deliver(update)
-            elif isinstance(message, wire.EngineFailed):
+            if isinstance(message, wire.EngineFailed):
                 self._die(f"the engine failed: {message.reason}")
                 return
-            else:  # Ready: the answer to this socket's Hello
-                self.snapshot = message.stats
+            # Published before the updates: a client that sees a token can see the engine's
+            # state as of that step.
+            self.snapshot = message.stats
+            if self.on_snapshot is not None:
+                self.on_snapshot(message.stats)
+            if isinstance(message, wire.StepOutputs):
+                for update in message.updates:
+                    self._deliver(update)
 
     def _deliver(self, update: wire.RequestUpdate) -> None:
         stream = self._streams.get(update.request_id)

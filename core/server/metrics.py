@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import fcntl
 import os
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
@@ -43,6 +44,7 @@ from prometheus_client.multiprocess import MultiProcessCollector, mark_process_d
 from brigade.interfaces import STRUCTURED_OUTPUT_KINDS
 
 if TYPE_CHECKING:
+    from brigade.engine import EngineStats
     from brigade.speculative import SpeculativeStats
 
 __all__ = ["FINISH_REASONS", "METRIC_NAMES", "MULTIPROCESS_ENV", "ServerMetrics", "forget_process"]
@@ -88,9 +90,12 @@ MULTIPROCESS_ENV: Final = "PROMETHEUS_MULTIPROC_DIR"
 process's environment before prometheus_client is imported there."""
 GAUGE_MODE: Final = "livemostrecent"
 """How front ends' gauges combine in multiprocess mode. They hold the engine's state, which
-every front end receives alike and sets when it is scraped: the value set last is the current
-one (summing would count the engine once per front end). "live": a front end that exits takes
-its gauges along (:func:`forget_process`). A process of its own ignores it."""
+every front end receives alike, a moment apart, and sets as each snapshot arrives
+(:meth:`ServerMetrics.observe_engine_gauges`), stamped with the time the engine took it: the
+value stamped last is the engine's newest state any front end has seen (summing would count the
+engine once per front end; the time of setting would let a front end whose snapshot is a step
+behind undo a newer one). "live": a front end that exits takes its gauges along
+(:func:`forget_process`). A process of its own ignores it."""
 ENGINE_TOTALS = ("prefix_cache_queries_total", "prefix_cache_hits_total", "num_preemptions_total")
 """The counters fed from the engine's running totals (:meth:`ServerMetrics.observe_engine`),
 besides speculation's (:data:`SPECULATIVE_TOTALS`)."""
@@ -120,9 +125,11 @@ class _Series:
         for child in self.children:
             child.inc(value)
 
-    def set(self, value: float) -> None:
+    def set_at(self, value: float, timestamp: float) -> None:
+        """Set a gauge as of ``timestamp`` (what a ``mostrecent`` multiprocess gauge compares;
+        ``Gauge.set`` stamps the time of the call, and offers no other way)."""
         for child in self.children:
-            child.set(value)
+            child._value.set(float(value), timestamp=timestamp)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -440,10 +447,12 @@ class ServerMetrics:
         num_preemptions: int,
         *,
         speculative: SpeculativeStats | None = None,
+        taken_at: float | None = None,
     ) -> None:
         """Record a snapshot of the engine.
 
-        ``num_running``, ``num_waiting`` and ``kv_usage`` (clamped to 0..1) set gauges. The
+        ``num_running``, ``num_waiting`` and ``kv_usage`` set gauges
+        (:meth:`observe_engine_gauges`, as of ``taken_at``). The
         next three, and ``speculative`` (``EngineStats.speculative``; read only with
         ``speculative_positions``, and None leaves speculation's counters as they are), are the
         engine's cumulative totals; each counter advances by the increase since the previous
@@ -457,11 +466,7 @@ class ServerMetrics:
         many they are. A lower total is then a snapshot a moment older than one already counted
         (in process mode the engine's totals never restart), and adds nothing.
         """
-        self._num_running.set(num_running)
-        self._num_waiting.set(num_waiting)
-        usage = min(max(kv_usage, 0.0), 1.0)
-        self._kv_usage.set(usage)
-        self._gpu_cache_usage.set(usage)
+        self.observe_engine_gauges(num_running, num_waiting, kv_usage, taken_at=taken_at)
         totals = [prefix_cache_queries, prefix_cache_hits, num_preemptions]
         if speculative is not None and self.speculative_positions:
             totals += _speculative_totals(speculative, self.speculative_positions)
@@ -473,6 +478,45 @@ class ServerMetrics:
         # Locked: two front ends scraped at once would both add the same increase.
         with _locked(Path(directory) / "engine-totals.lock"):
             self._advance_engine_totals(totals, self._counted_by_all(directory))
+
+    def observe_engine_gauges(
+        self, num_running: int, num_waiting: int, kv_usage: float, taken_at: float | None
+    ) -> None:
+        """Set the engine's gauges: requests running and waiting, and the fraction of KV pages
+        in use (clamped to 0..1), as of ``taken_at`` (``EngineStats.taken_at``; None: now).
+
+        With ``multiprocess_dir`` the server's value is the one with the latest ``taken_at``
+        among the front ends (:data:`GAUGE_MODE`), so each front end calls this as every
+        snapshot arrives, and one whose latest snapshot is older never hides a newer one."""
+        stamp = time.time() if taken_at is None else taken_at
+        self._num_running.set_at(num_running, stamp)
+        self._num_waiting.set_at(num_waiting, stamp)
+        usage = min(max(kv_usage, 0.0), 1.0)
+        self._kv_usage.set_at(usage, stamp)
+        self._gpu_cache_usage.set_at(usage, stamp)
+
+    def observe_snapshot(self, stats: EngineStats) -> None:
+        """:meth:`observe_engine` with an ``EngineStats``."""
+        self.observe_engine(
+            num_running=stats.num_running,
+            num_waiting=stats.num_waiting,
+            kv_usage=_kv_usage(stats),
+            prefix_cache_queries=stats.prefix_cache_queries,
+            prefix_cache_hits=stats.prefix_cache_hits,
+            num_preemptions=stats.num_preemptions,
+            speculative=stats.speculative,
+            taken_at=stats.taken_at or None,
+        )
+
+    def observe_snapshot_gauges(self, stats: EngineStats) -> None:
+        """:meth:`observe_engine_gauges` with an ``EngineStats`` (as a front end of several
+        receives one)."""
+        self.observe_engine_gauges(
+            stats.num_running,
+            stats.num_waiting,
+            _kv_usage(stats),
+            taken_at=stats.taken_at or None,
+        )
 
     def _advance_engine_totals(self, totals: Sequence[int], counted: Sequence[float]) -> None:
         """Advance the first ``len(totals)`` engine counters (all but speculation's when the
@@ -501,6 +545,10 @@ class ServerMetrics:
         """The exposition body and its HTTP content type: this registry's series, or with
         ``multiprocess_dir`` the whole server's."""
         return generate_latest(self._exposed), CONTENT_TYPE_LATEST
+
+
+def _kv_usage(stats: EngineStats) -> float:
+    return 1.0 - stats.num_free_pages / max(1, stats.num_pages)
 
 
 def _speculative_totals(stats: SpeculativeStats, positions: int) -> list[int]:

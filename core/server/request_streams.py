@@ -36,6 +36,10 @@ class RequestStreams:
     ) -> None:
         self.max_waiting_requests = max_waiting_requests
         self.on_dead = on_dead
+        self.on_snapshot: Callable[[EngineStats], None] | None = None
+        """Called with each new :attr:`snapshot` as it arrives from an engine process (front
+        ends of one server publish the engine's gauges this way; an engine thread's snapshot
+        is read when needed)."""
         self._num_unstarted = 0
         """Requests submitted that have not produced a token yet (the bounded queue)."""
         self._num_active = 0

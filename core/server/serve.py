@@ -70,6 +70,8 @@ def frontend_state(
         multiprocess_dir=metrics_dir,
     )
     metrics.set_components(config.components)
+    if metrics_dir is not None:
+        engine.on_snapshot = metrics.observe_snapshot_gauges
     return ServerState(
         async_engine=engine,
         frontend=Frontend(engine, detokenizer, metrics),

@@ -359,6 +359,24 @@ def test_a_front_end_that_exited_takes_its_gauges_but_not_its_counts(tmp_path: P
     assert only(found, "brigade:request_success_total", finished_reason="length") == 1
 
 
+def test_the_engines_newest_snapshot_wins_whichever_front_end_wrote_last(
+    tmp_path: Path,
+) -> None:
+    """Front ends receive the engine's snapshots a moment apart: one a step behind, writing
+    after another that is up to date, must not bring back the engine's older state."""
+    front_end(tmp_path, ("observe_engine_gauges", [1, 0, 0.5, 2000.0]))
+    _, text = front_end(tmp_path, ("observe_engine_gauges", [0, 3, 0.125, 1000.0]))
+    found = parsed(text)
+    for prefix in ("brigade:", "vllm:"):
+        labels = {} if prefix == "brigade:" else {"engine": "0"}
+        assert only(found, f"{prefix}num_requests_running", **labels) == 1
+        assert only(found, f"{prefix}num_requests_waiting", **labels) == 0
+        assert only(found, f"{prefix}kv_cache_usage_perc", **labels) == 0.5
+    # Once the behind one catches up, its newer snapshot is the server's state.
+    _, text = front_end(tmp_path, ("observe_engine_gauges", [0, 3, 0.125, 3000.0]))
+    assert only(parsed(text), "brigade:num_requests_running") == 0
+
+
 def test_a_shared_directory_needs_the_environment_set_before_import(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match=f"start this process with {MULTIPROCESS_ENV}="):
         ServerMetrics(MODEL, multiprocess_dir=str(tmp_path))
