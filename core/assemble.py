@@ -13,15 +13,19 @@ from brigade.grammar import GrammarManager
 from brigade.interfaces import (
     AttentionBackend,
     Checkpoint,
+    DraftModel,
     Executor,
     ExecutorParams,
     GrammarBackend,
     GrammarParams,
+    KVManager,
+    KVPoolParams,
     LogitsProcessor,
     ModelArchitecture,
     Sampler,
     SamplerParams,
 )
+from brigade.interfaces.executor import DTYPE_NAMES
 from brigade.registry import Registry
 
 __all__ = [
@@ -30,6 +34,7 @@ __all__ = [
     "build_grammar",
     "build_sampler",
     "kv_pool_pages",
+    "load_draft_model",
     "model_architecture",
     "open_model",
 ]
@@ -48,6 +53,8 @@ class ModelPath:
     max_model_len: int
     host_pages: tuple[int, ...] = ()
     """Ids of the executor's host (swap) pages."""
+    dtype: str = "float32"
+    """The model's dtype (``[model] dtype`` resolved against its config)."""
 
     @property
     def model_dir(self) -> Path:
@@ -74,40 +81,119 @@ def build_executor(
     from brigade.models.loader import resolve_dtype_name
 
     checkpoint = checkpoint or open_model(config)
-    architecture = model_architecture(checkpoint, registry)
-    attention_station = config["attention"]
-    attention: AttentionBackend = registry.get("attention", config.plugin("attention")).factory(
-        attention_station.options
-    )
     model = config["model"].settings
+    dtype = resolve_dtype_name(model.dtype, checkpoint.config)
+    executor = _new_executor(config, registry, checkpoint, dtype, model.max_model_len)
+    num_pages = kv_pool_pages(executor, config)
+    num_host_pages = _host_pages(executor, config)
+    executor.initialize_kv_cache(num_pages, num_host_pages)
+    max_model_len = executor.kv_cache_spec().max_model_len
+    host_pages = tuple(range(num_pages, num_pages + num_host_pages))
+    page_size = config["kv"].settings.page_size
+    return ModelPath(
+        executor, checkpoint, num_pages, page_size, max_model_len, host_pages, dtype=dtype
+    )
+
+
+def _new_executor(
+    config: EngineConfig,
+    registry: Registry,
+    checkpoint: Checkpoint,
+    dtype: str,
+    max_model_len: int,
+) -> Executor:
+    """The configured executor and attention backend over ``checkpoint``, weights loaded, no
+    KV pool yet."""
+    architecture = model_architecture(checkpoint, registry)
+    attention: AttentionBackend = registry.get("attention", config.plugin("attention")).factory(
+        config["attention"].options
+    )
     kv = config["kv"].settings
     params = ExecutorParams(
         model_path=checkpoint.path,
-        dtype=resolve_dtype_name(model.dtype, checkpoint.config),
+        dtype=dtype,
         attention=attention,
         page_size=kv.page_size,
         kv_cache_dtype=kv.cache_dtype,
-        max_model_len=model.max_model_len,
-        seed=model.seed,
+        max_model_len=max_model_len,
+        seed=config["model"].settings.seed,
         model_factory=architecture,
         checkpoint=checkpoint,
     )
-    executor_station = config["executor"]
     try:
         executor: Executor = registry.get("executor", config.plugin("executor")).factory(
-            params, executor_station.options
+            params, config["executor"].options
         )
     except RuntimeError as exc:  # a device the chosen executor or backend cannot use
         raise ConfigError(
             f"{config.source}: executor {config.plugin('executor')!r} with attention "
             f"{config.plugin('attention')!r} cannot start here: {exc}"
         ) from exc
-    num_pages = kv_pool_pages(executor, config)
-    num_host_pages = _host_pages(executor, config)
-    executor.initialize_kv_cache(num_pages, num_host_pages)
-    max_model_len = executor.kv_cache_spec().max_model_len
-    host_pages = tuple(range(num_pages, num_pages + num_host_pages))
-    return ModelPath(executor, checkpoint, num_pages, kv.page_size, max_model_len, host_pages)
+    return executor
+
+
+def load_draft_model(
+    config: EngineConfig,
+    registry: Registry,
+    served: ModelPath,
+    path: str,
+    *,
+    num_pages: int = 0,
+    dtype: str = "auto",
+) -> DraftModel:
+    """``ProposerParams.load_model`` for an engine serving ``served``: the model
+    at ``path`` on the engine's executor and attention plugins, with a KV pool of its own
+    (``num_pages``; 0: as many as the served model's) under a new instance of the engine's KV
+    manager plugin. Refuses a model whose tokenizer is not the served model's."""
+    from brigade.models.checkpoint import open_checkpoint
+
+    where = f"{config.source} [speculative] model {path!r}"
+    if dtype != "auto" and dtype not in DTYPE_NAMES:
+        raise ConfigError(f"{where}: dtype {dtype!r}; allowed: auto, {', '.join(DTYPE_NAMES)}")
+    if getattr(config["executor"].options, "tensor_parallel_size", 1) > 1:
+        raise ConfigError(
+            f"{where}: a draft model does not run under tensor parallelism yet; set "
+            "[executor] tensor_parallel_size = 1 or use the ngram or suffix proposer"
+        )
+    if num_pages < 0:
+        raise ConfigError(f"{where}: num_pages = {num_pages}; expected 0 (auto) or more")
+    checkpoint = open_checkpoint(path)
+    _check_same_tokenizer(where, served.checkpoint, checkpoint)
+    executor = _new_executor(
+        config, registry, checkpoint, served.dtype if dtype == "auto" else dtype, 0
+    )
+    spec = executor.kv_cache_spec()
+    pages = num_pages or served.num_pages
+    executor.initialize_kv_cache(pages)
+    kv_settings = config["kv"].settings
+    kv: KVManager = registry.get("kv", config.plugin("kv")).factory(
+        KVPoolParams(pages, spec.page_size, kv_settings.enable_prefix_caching),
+        config["kv"].options,
+    )
+    return DraftModel(
+        executor=executor,
+        kv=kv,
+        checkpoint=checkpoint,
+        num_pages=pages,
+        page_size=spec.page_size,
+        max_model_len=min(spec.max_model_len, served.max_model_len, pages * spec.page_size),
+        vocab_size=spec.vocab_size,
+    )
+
+
+def _check_same_tokenizer(where: str, served: Checkpoint, draft: Checkpoint) -> None:
+    """A draft speaks the served model's token ids: the same vocabulary, id for id."""
+    mine, theirs = served.tokenizer(), draft.tokenizer()
+    if mine is None or theirs is None:
+        return  # token-id models (tests, config-only folders): ids are all there is
+    ours, its = mine.get_vocab(), theirs.get_vocab()
+    if ours != its:
+        differ = sum(1 for token, i in its.items() if ours.get(token) != i)
+        raise ConfigError(
+            f"{where}: its tokenizer is not the served model's ({len(its)} tokens, "
+            f"{differ + len(set(ours) - set(its))} differ from the served model's {len(ours)}); "
+            "a draft model must share the served model's tokenizer"
+        )
 
 
 def build_sampler(config: EngineConfig, registry: Registry, params: SamplerParams) -> Sampler:

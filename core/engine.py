@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -16,7 +17,13 @@ from typing import Any
 import torch
 
 from brigade.admission import Admission, check_request
-from brigade.assemble import build_executor, build_grammar, build_sampler, open_model
+from brigade.assemble import (
+    build_executor,
+    build_grammar,
+    build_sampler,
+    load_draft_model,
+    open_model,
+)
 from brigade.config import EngineConfig, check_config
 from brigade.errors import ConfigError, EngineDeadError, RequestError, RequestFailedError
 from brigade.grammar import GrammarManager
@@ -253,6 +260,11 @@ class EngineCore:
                     settings.max_num_seqs,
                     self.max_model_len,
                     checkpoint=self.checkpoint,
+                    load_model=(
+                        None
+                        if self._executor_returns_token_ids
+                        else functools.partial(load_draft_model, config, registry, model)
+                    ),
                 ),
                 speculative.options,
             )

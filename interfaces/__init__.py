@@ -37,7 +37,13 @@ from brigade.interfaces.hookspecs import BrigadeHookSpec, ComponentRegistry, hoo
 from brigade.interfaces.kv import Allocation, KVManager, KVPoolParams, KVStats
 from brigade.interfaces.model import CausalLM, Checkpoint, ModelArchitecture, SplitCausalLM
 from brigade.interfaces.options import NoOptions, option
-from brigade.interfaces.proposer import DraftSlot, Proposer, ProposerParams
+from brigade.interfaces.proposer import (
+    DraftModel,
+    DraftSlot,
+    LoadModel,
+    Proposer,
+    ProposerParams,
+)
 from brigade.interfaces.request import (
     EMPTY_EXTRA,
     ExtraValue,
@@ -65,7 +71,7 @@ from brigade.interfaces.sampling import (
 )
 from brigade.interfaces.scheduler import SchedulerParams, SchedulerView, SchedulingPolicy
 
-API_VERSION = "2.4"
+API_VERSION = "2.5"
 """The plugin API version, "MAJOR.MINOR". MINOR grows when contracts gain backwards-compatible
 additions (a new optional method, a new field with a default): a plugin built for 2.0 runs on
 2.1, one built for 2.1 is refused by 2.0. MAJOR grows on any change that can break an existing
@@ -133,6 +139,7 @@ __all__ = [
     "ComponentRegistry",
     "ConfigError",
     "Detokenizer",
+    "DraftModel",
     "DraftSlot",
     "Executor",
     "ExecutorParams",
@@ -150,6 +157,7 @@ __all__ = [
     "ModelLoadError",
     "NoOptions",
     "PageSizeRule",
+    "LoadModel",
     "Proposer",
     "ProposerParams",
     "Request",

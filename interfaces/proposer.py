@@ -15,15 +15,49 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from brigade.interfaces.request import Request
 
 if TYPE_CHECKING:
+    from brigade.interfaces.executor import Executor
+    from brigade.interfaces.kv import KVManager
     from brigade.interfaces.model import Checkpoint
 
-__all__ = ["DraftSlot", "Proposer", "ProposerParams"]
+__all__ = ["DraftModel", "DraftSlot", "LoadModel", "Proposer", "ProposerParams"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DraftModel:
+    """A second model that core loaded for a proposer (:attr:`ProposerParams.load_model`),
+    ready to run. The proposer owns it (no other station sees it); it lives as long as the
+    engine, like the served model's executor."""
+
+    executor: Executor
+    """Its weights and KV tensors (the engine's executor and attention plugins, the same page
+    size and KV cache dtype as the served model); inputs are ``ModelInput`` as for any
+    executor, block tables from :attr:`kv`."""
+    kv: KVManager
+    """Pages of its own KV pool, from a new instance of the engine's KV manager plugin
+    (``[kv] plugin``, prefix caching as ``[kv] enable_prefix_caching``): its requests are the
+    proposer's own ``Request`` objects, never the engine's."""
+    checkpoint: Checkpoint
+    num_pages: int
+    page_size: int
+    max_model_len: int
+    """The longest sequence it can run (its own limit, or the served model's if lower)."""
+    vocab_size: int
+    """Rows of its logits; only ids below ``ProposerParams.vocab_size`` may be drafted."""
+
+
+LoadModel = Callable[..., DraftModel]
+"""``load_model(path, *, dtype="auto", num_pages=0)``: load the model at ``path`` (a Hugging
+Face directory or a GGUF file) as a :class:`DraftModel`. ``dtype``: ``"auto"`` (the served
+model's dtype) or one of ``DTYPE_NAMES``; ``num_pages``: its KV pool (0: as many pages as the
+served model's pool, so it holds every request the engine does). Raises ``ModelLoadError``
+for a model it cannot load and ``ConfigError`` for one that cannot draft for the served model
+(another tokenizer)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -40,6 +74,9 @@ class ProposerParams:
     checkpoint: Checkpoint | None = None
     """The served model (its tokenizer, its files), for proposers that need them; None in unit
     tests."""
+    load_model: LoadModel | None = None
+    """Core's loader of a second model for proposers that run one (API 2.5); None where the
+    engine cannot run one (unit tests, an executor that returns token ids)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

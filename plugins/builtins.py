@@ -17,6 +17,7 @@ from brigade.plugins.grammar.xgrammar import XGrammarBackend, XGrammarOptions
 from brigade.plugins.kv.paged import PagedKVManager, PagedKVOptions
 from brigade.plugins.kv.radix import RadixKVManager, RadixKVOptions
 from brigade.plugins.models.architectures import ARCHITECTURES
+from brigade.plugins.proposers.draft_model import DraftModelOptions, DraftModelProposer
 from brigade.plugins.proposers.ngram import NgramOptions, NgramProposer
 from brigade.plugins.proposers.repeat import RepeatLastProposer
 from brigade.plugins.proposers.suffix import SuffixOptions, SuffixProposer
@@ -60,5 +61,6 @@ def brigade_register(registry: ComponentRegistry) -> None:
     registry.add("proposer", "ngram", NgramProposer, options=NgramOptions)
     registry.add("proposer", "suffix", SuffixProposer, options=SuffixOptions)
     registry.add("proposer", "repeat-last", RepeatLastProposer)
+    registry.add("proposer", "draft-model", DraftModelProposer, options=DraftModelOptions)
     for hf_name, architecture in ARCHITECTURES.items():
         registry.add("model", hf_name, architecture)

@@ -13,6 +13,7 @@ import faulty_plugins
 import pytest
 import torch
 
+from brigade import LLM
 from brigade.interfaces import (
     ExecutorParams,
     ModelInput,
@@ -139,7 +140,24 @@ def test_kv_manager_conforms(component: Component) -> None:
 
 
 @pytest.mark.parametrize("component", components("proposer"), ids=ids)
-def test_proposer_conforms(component: Component) -> None:
+def test_proposer_conforms(component: Component, tmp_path: Path) -> None:
+    if component.name == "draft-model":
+        # It runs a second model, which only an engine can load: a tiny one drafts for itself.
+        model = create_model(tmp_path / "tiny", "llama", overrides={"num_hidden_layers": 1})
+        llm = LLM(
+            overrides=[
+                f"model.path={model}",
+                "kv.page_size=4",
+                "kv.num_pages=512",
+                "speculative.plugin=draft-model",
+                f"speculative.model={model}",
+                "speculative.num_speculative_tokens=5",
+            ]
+        )
+        assert llm.engine.speculation is not None
+        proposer = llm.engine.speculation.proposer
+        check_proposer(proposer, proposer.params)
+        return
     params = ProposerParams(
         num_speculative_tokens=5, vocab_size=97, max_num_seqs=8, max_model_len=512
     )
