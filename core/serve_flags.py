@@ -246,8 +246,17 @@ _SPECULATIVE_KEYS = {
     "suffix_decoding_max_cached_requests": "max_cached_requests",
     "suffix_decoding_max_spec_factor": "max_spec_factor",
     "suffix_decoding_min_token_prob": "min_probability",
+    "model": "model",
 }
 """vLLM's ``--speculative-config`` keys -> ``[speculative]`` keys (the method's options)."""
+_METHOD_KEYS = frozenset(
+    key
+    for key in _SPECULATIVE_KEYS
+    if key.startswith(("prompt_lookup", "suffix_decoding", "model"))
+)
+"""Keys that belong to one method (the prefix of its keys in ``_speculative_config``)."""
+_SPECULATIVE_METHODS = {"ngram": "ngram", "suffix": "suffix", "draft_model": "draft-model"}
+"""vLLM's method names -> Brigade's proposers."""
 
 
 def _speculative_config(text: str) -> dict[str, Any]:
@@ -264,29 +273,29 @@ def _speculative_config(text: str) -> dict[str, Any]:
     method = config.get("method")
     if method is None and "model" in config:
         method = "draft_model"
-    if method not in ("ngram", "suffix"):
+    plugin = _SPECULATIVE_METHODS.get(method)  # type: ignore[arg-type]
+    if plugin is None:
         raise ValueError(
-            f"method {method!r} is not implemented yet (draft models, EAGLE, MTP and Medusa "
-            "heads included); allowed: ngram, suffix"
+            f"method {method!r} is not implemented yet (EAGLE, MTP and Medusa heads "
+            f"included); allowed: {', '.join(_SPECULATIVE_METHODS)}"
         )
-    table: dict[str, Any] = {"plugin": method}
+    # Each method's own keys: the others' are refused, not ignored.
+    own = {"ngram": "prompt_lookup", "suffix": "suffix_decoding", "draft-model": "model"}[plugin]
+    table: dict[str, Any] = {"plugin": plugin}
     unknown = []
     for key, value in config.items():
         if key == "method":
             continue
         target = _SPECULATIVE_KEYS.get(key)
-        prefix = "prompt_lookup" if method == "ngram" else "suffix_decoding"
-        if target is None or (
-            key.startswith(("prompt_lookup", "suffix_decoding")) and not key.startswith(prefix)
-        ):
+        if target is None or (key in _METHOD_KEYS and not key.startswith(own)):
             unknown.append(key)
             continue
         table[target] = value
+    if plugin == "draft-model" and "model" not in table:
+        raise ValueError('method "draft_model" needs "model": the draft model\'s path')
     if unknown:
         allowed = ", ".join(
-            k
-            for k in _SPECULATIVE_KEYS
-            if not k.startswith("suffix_decoding" if method == "ngram" else "prompt_lookup")
+            k for k in _SPECULATIVE_KEYS if k not in _METHOD_KEYS or k.startswith(own)
         )
         raise ValueError(
             f"{', '.join(sorted(unknown))}: not supported with method {method!r}; "
@@ -577,8 +586,9 @@ FLAGS: tuple[ServeFlag, ...] = (
     _alias(
         "--speculative-config",
         "speculative.plugin",
-        "speculative decoding as JSON: method ngram or suffix, num_speculative_tokens, "
-        "disable_by_batch_size, prompt_lookup_max/min, suffix_decoding_* (docs/speculative.md)",
+        "speculative decoding as JSON: method ngram, suffix or draft_model (with model, the "
+        "draft model's path), num_speculative_tokens, disable_by_batch_size, "
+        "prompt_lookup_max/min, suffix_decoding_* (docs/speculative.md)",
         parse=_speculative_config,
         metavar="JSON",
     ),

@@ -133,6 +133,13 @@ def test_speculative_config_sets_the_method_and_its_options(served: list) -> Non
         ],
     )
     assert (config["speculative"].options.max_n, config["speculative"].options.min_n) == (6, 3)
+    # vLLM infers a draft model from "model" alone.
+    config = effective(
+        served, ["--speculative-config", '{"model": "/models/draft", "num_speculative_tokens": 3}']
+    )
+    assert value(config, "speculative.plugin") == "draft-model"
+    assert config["speculative"].options.model == "/models/draft"
+    assert value(config, "speculative.num_speculative_tokens") == 3
 
 
 def test_every_alias_in_the_table_has_a_case() -> None:
@@ -212,7 +219,11 @@ def test_lengths_read_as_vllm_reads_them(served: list, given: str, expected: int
         (["--served-model-name", "tiny", "./model.gguf"], "put MODEL before the flags"),
         (["M", "--model", "N"], "give the model once"),
         (["--config", "vllm.yaml"], "Brigade reads a TOML config, not vLLM's YAML"),
-        (["--speculative-config", '{"model": "d"}'], "'draft_model' is not implemented yet"),
+        (["--speculative-config", '{"method": "draft_model"}'], 'needs "model"'),
+        (
+            ["--speculative-config", '{"method": "ngram", "model": "d"}'],
+            "model: not supported with method 'ngram'",
+        ),
         (["--speculative-config", '{"method": "eagle3"}'], "'eagle3' is not implemented yet"),
         (
             ["--speculative-config", '{"method": "ngram", "suffix_decoding_max_tree_depth": 3}'],
