@@ -12,12 +12,16 @@ mean accepted length (tokens emitted per verifying request-step), per workload a
 Greedy, each request until EOS or ``--max-tokens``; every engine must produce the same tokens
 (the script checks and says where one differs). Batch 1 runs the prompts one at a time; batch
 B runs B requests at once (the prompts repeated to fill the batch). Each pass starts with a
-fresh proposer, so ``suffix`` learns only from the requests of that pass, and the engines'
-order reverses every other round.
+fresh proposer, so ``suffix`` learns only from the requests of that pass (``draft-model``
+keeps its loaded model), and the engines' order reverses every other round.
+
+``draft-model`` drafts with ``--draft-model`` (default: the served model itself, whose drafts
+are all accepted: what the mechanism costs when drafts are free of mistakes but not of time).
 
     python benchmarks/speculative.py                           # ngram and suffix, batch 1, 8, 32
     python benchmarks/speculative.py --proposers ngram --batch-sizes 1 --rounds 3
     python benchmarks/speculative.py --set speculative.num_speculative_tokens=8
+    python benchmarks/speculative.py --proposers draft-model --draft-model PATH
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import torch
 from step_profile import cpu_flags  # benchmarks/ is this script's directory
 
 from brigade import LLM, SamplingParams
+from brigade.plugins.proposers.draft_model import DraftModelProposer
 
 CODE = [
     '''def moving_average(values, window):
@@ -143,7 +148,7 @@ def fresh_proposer(llm: LLM) -> None:
     whole answer from the pass before (a cache of identical requests, not what it does for
     new ones)."""
     speculation = llm.engine.speculation
-    if speculation is not None:
+    if speculation is not None and not isinstance(speculation.proposer, DraftModelProposer):
         old = speculation.proposer
         speculation.proposer = type(old)(old.params, old.options)
 
@@ -179,6 +184,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="timed passes per engine")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--model", default="default")
+    parser.add_argument(
+        "--draft-model", default="", help="the draft-model proposer's model (default: --model)"
+    )
     parser.add_argument("--set", action="append", default=[], help="a brigade setting, a.b=c")
     parser.add_argument(
         "--control",
@@ -196,9 +204,12 @@ def main() -> None:
         *args.set,
     ]
     names = ["off", *args.proposers.split(","), *(["off-2"] if args.control else [])]
+    draft = [f"speculative.model={args.draft_model or args.model}"]
     engines = {
         name: LLM(
-            overrides=base if name.startswith("off") else [*base, f"speculative.plugin={name}"]
+            overrides=base
+            if name.startswith("off")
+            else [*base, f"speculative.plugin={name}", *(draft if name == "draft-model" else [])]
         )
         for name in names
     }
