@@ -216,7 +216,8 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     print(f"{cpu_flags()}; torch {torch.__version__}, {args.threads} threads, fp32, {args.model}")
     print(f"greedy, up to {args.max_tokens} tokens per request, {args.rounds} timed rounds")
-    header = f"{'workload':<8} {'batch':>5} {'engine':<8} {'tok/s':>8} {'vs off':>7}"
+    width = max(8, *map(len, names))
+    header = f"{'workload':<8} {'batch':>5} {'engine':<{width}} {'tok/s':>8} {'vs off':>7}"
     print(f"{header} {'accept':>7} {'mean len':>8}")
     for workload in args.workloads.split(","):
         prompts = WORKLOADS[workload]
@@ -250,7 +251,7 @@ def main() -> None:
                 )
                 same = "" if outputs[name] == outputs["off"] else "  (tokens differ from off)"
                 print(
-                    f"{workload:<8} {batch:>5} {name:<8} {rate:>8.1f} {rate / plain:>6.2f}x "
+                    f"{workload:<8} {batch:>5} {name:<{width}} {rate:>8.1f} {rate / plain:>6.2f}x "
                     f"{accept:>7.2f} {mean:>8.2f}{same}"
                 )
 
