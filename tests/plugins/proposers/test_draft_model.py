@@ -133,6 +133,31 @@ def test_a_draft_pool_too_small_for_everyone_evicts_and_stays_exact(
     assert stats.num_accepted >= 0.97 * stats.num_drafts, stats
 
 
+@pytest.mark.parametrize(
+    "settings",
+    [
+        ("kv.num_pages=14", "kv.enable_prefix_caching=false"),
+        ("kv.num_pages=14", "scheduler.preemption=swap"),
+        ("kv.plugin=radix", "kv.page_size=1", "kv.num_pages=1024"),
+    ],
+    ids=["recompute", "swap", "radix"],
+)
+def test_preemption_and_the_radix_manager_keep_the_output(
+    models: dict[str, Path], settings: tuple[str, ...]
+) -> None:
+    """The served model's pages come and go (preempted, swapped); the draft model's pool
+    (here 14 pages too, or the radix manager's) follows its own requests."""
+    token_prompts = prompts([14, 9, 20], seed=9)
+    reference = run(make_llm(models["target"]), token_prompts)
+    llm = drafting(models["target"], models["target"], *settings)
+    assert_same_greedy(run(llm, token_prompts), reference, " ".join(settings))
+    stats = llm.engine.stats()
+    if "kv.num_pages=14" in settings:
+        assert stats.num_preemptions > 0
+    assert stats.speculative is not None
+    assert stats.speculative.num_accepted >= 0.97 * stats.speculative.num_drafts > 0
+
+
 def test_sampled_requests_and_n_greater_than_one_speculate(models: dict[str, Path]) -> None:
     """Seeded sampling reproduces itself with the draft model on; children of one prompt
     each get drafts."""
