@@ -18,6 +18,7 @@ import torch
 
 from brigade.admission import Admission, check_request
 from brigade.assemble import (
+    ModelPath,
     build_executor,
     build_grammar,
     build_sampler,
@@ -29,6 +30,8 @@ from brigade.errors import ConfigError, EngineDeadError, RequestError, RequestFa
 from brigade.grammar import GrammarManager
 from brigade.hooks import notify_request_finished
 from brigade.interfaces import (
+    DraftModel,
+    Executor,
     ExtraValue,
     GrammarParams,
     KVManager,
@@ -250,6 +253,8 @@ class EngineCore:
         )
         self.speculation: Speculation | None = None
         """Speculative decoding (``[speculative] plugin``); None when it is off."""
+        self.draft_executors: list[Executor] = []
+        """The executors of models loaded for the proposer (``ProposerParams.load_model``)."""
         speculative = config["speculative"]
         if speculative.plugin is not None:
             spec_settings = speculative.settings
@@ -260,11 +265,7 @@ class EngineCore:
                     settings.max_num_seqs,
                     self.max_model_len,
                     checkpoint=self.checkpoint,
-                    load_model=(
-                        None
-                        if self._executor_returns_token_ids
-                        else functools.partial(load_draft_model, config, registry, model)
-                    ),
+                    load_model=functools.partial(self._load_draft_model, registry, model),
                 ),
                 speculative.options,
             )
@@ -291,6 +292,24 @@ class EngineCore:
         """Seconds from the start of construction until the engine could run (weights, KV)."""
         if self.hook is not None:
             self.hook.brigade_engine_started(components=config.components)
+
+    def _load_draft_model(
+        self, registry: Registry, served: ModelPath, path: str, **options: Any
+    ) -> DraftModel:
+        """``ProposerParams.load_model``: see ``brigade.assemble.load_draft_model``."""
+        draft = load_draft_model(self.config, registry, served, path, **options)
+        self.draft_executors.append(draft.executor)
+        return draft
+
+    def modelled_time_s(self) -> float:
+        """Seconds every forward pass so far would have taken on the modelled hardware: the
+        served model's and the models loaded for the proposer (executors with ``models_time``;
+        the simulator's virtual clock advances by this)."""
+        return self.executor.modelled_time_s() + sum(
+            executor.modelled_time_s()
+            for executor in self.draft_executors
+            if type(executor).models_time
+        )
 
     # -- requests -----------------------------------------------------------------------
 

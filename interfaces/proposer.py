@@ -37,7 +37,9 @@ class DraftModel:
     executor: Executor
     """Its weights and KV tensors (the engine's executor and attention plugins, the same page
     size and KV cache dtype as the served model); inputs are ``ModelInput`` as for any
-    executor, block tables from :attr:`kv`."""
+    executor, block tables from :attr:`kv`. Under the simulator it returns token ids
+    (``Executor.returns_token_ids``), and what its passes would take counts on the engine's
+    virtual clock."""
     kv: KVManager
     """Pages of its own KV pool, from a new instance of the engine's KV manager plugin
     (``[kv] plugin``, prefix caching as ``[kv] enable_prefix_caching``): its requests are the
@@ -75,8 +77,8 @@ class ProposerParams:
     """The served model (its tokenizer, its files), for proposers that need them; None in unit
     tests."""
     load_model: LoadModel | None = None
-    """Core's loader of a second model for proposers that run one (API 2.5); None where the
-    engine cannot run one (unit tests, an executor that returns token ids)."""
+    """Core's loader of a second model for proposers that run one (API 2.5); None in unit
+    tests that build params by hand."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -189,7 +189,8 @@ def _simulate(
         return _run(workload, pending, start, replicas, router, on_finished, started)
     finally:
         for replica in replicas:
-            replica.engine.executor.shutdown()
+            for executor in (replica.engine.executor, *replica.engine.draft_executors):
+                executor.shutdown()
 
 
 def _run(
@@ -229,9 +230,9 @@ def _run(
                 router.finished(str(index), target)
             continue
         engine, clock = earliest.engine, earliest.clock
-        steps_before, busy_before = engine.num_steps, engine.executor.modelled_time_s()
+        steps_before, busy_before = engine.num_steps, engine.modelled_time_s()
         updates = engine.step()
-        clock.advance(engine.executor.modelled_time_s() - busy_before)
+        clock.advance(engine.modelled_time_s() - busy_before)
         if not updates and engine.num_steps == steps_before:
             if not pending:
                 raise RuntimeError("the engine made no progress with no arrivals left")

@@ -111,12 +111,14 @@ class DraftModelProposer(Proposer):
             )
         if params.load_model is None:
             raise ConfigError(
-                "[speculative] plugin = 'draft-model': this engine cannot load a second model "
-                "(its executor returns token ids, not logits); use ngram or suffix"
+                "[speculative] plugin = 'draft-model': this engine cannot load a second model; "
+                "use ngram or suffix"
             )
         self.draft: DraftModel = params.load_model(
             options.model, dtype=options.dtype, num_pages=options.num_pages
         )
+        self._returns_token_ids = type(self.draft.executor).returns_token_ids
+        """The simulator's executor answers token ids (its time is the point), not logits."""
         self.vocab_size = min(params.vocab_size, self.draft.vocab_size)
         """Draft ids are argmaxes over the ids both models know."""
         self._shadows: dict[str, _Shadow] = {}
@@ -236,8 +238,11 @@ class DraftModelProposer(Proposer):
         last token."""
         order = sorted(range(len(rows)), key=lambda i: len(rows[i].tokens) > 1)
         batch = _model_input([rows[i] for i in order], self.draft.kv, self.draft.page_size)
-        logits = self.draft.executor.execute(batch)
-        tokens = logits[:, : self.vocab_size].argmax(dim=-1).tolist()
+        output = self.draft.executor.execute(batch)
+        if self._returns_token_ids:
+            tokens = (output % self.vocab_size).tolist()
+        else:
+            tokens = output[:, : self.vocab_size].argmax(dim=-1).tolist()
         answer = [0] * len(rows)
         for position, i in enumerate(order):
             answer[i] = int(tokens[position])

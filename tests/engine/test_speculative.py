@@ -379,16 +379,6 @@ def test_config_refuses_what_cannot_speculate(model_dirs: dict) -> None:
         ]
     )
     assert simulated.engine.speculation is not None
-    # ... but runs no second model.
-    with pytest.raises(ConfigError, match="cannot load a second model"):
-        LLM(
-            overrides=[
-                f"model.path={model_dir}",
-                "executor.plugin=simulated",
-                "speculative.plugin=draft-model",
-                f"speculative.model={model_dir}",
-            ]
-        )
     with pytest.raises(
         ConfigError, match="registered proposer plugins: draft-model, ngram, repeat-last, suffix"
     ):

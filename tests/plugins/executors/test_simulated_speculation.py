@@ -4,6 +4,7 @@ are, and a policy study sees speculation's fewer, slightly dearer steps."""
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -154,3 +155,51 @@ def test_verification_rows_are_nearly_free_until_compute_bound() -> None:
     assert verifying(1, K) < 1.05 * verifying(1, 0)
     # Batch 256: 1280 rows are compute-bound; verification costs about its FLOPs.
     assert verifying(256, K) > 3 * verifying(256, 0)
+
+
+# -- a draft model on the simulator ------------------------------------------------------------
+
+LLAMA_3_2_1B = {
+    **LLAMA_3_70B,
+    "hidden_size": 2048,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "intermediate_size": 8192,
+}
+"""A draft for the 70B: Llama-3.2-1B's shape, the same vocabulary."""
+
+
+@pytest.fixture(scope="module")
+def model_1b(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("llama-3.2-1b")
+    (directory / "config.json").write_text(json.dumps(LLAMA_3_2_1B), encoding="utf-8")
+    return directory
+
+
+def test_a_draft_models_passes_count_on_the_virtual_clock(
+    model_70b: Path, model_1b: Path, registry: Registry
+) -> None:
+    """The draft-model proposer runs a simulated 1B beside the simulated 70B: its K passes
+    per step are charged to the engine's clock, so it takes as many steps as drafts that
+    come true as often, and longer."""
+    drafting = [
+        *speculating(0.7),
+        "speculative.plugin=draft-model",
+        f"speculative.model={model_1b}",
+    ]
+    engine, _ = generate(model_70b, registry, [64] * 8, *drafting)
+    (draft,) = engine.draft_executors
+    assert draft.modelled_time_s() > 0
+    assert engine.modelled_time_s() == engine.executor.modelled_time_s() + draft.modelled_time_s()
+    stats = engine.stats().speculative
+    assert stats is not None
+    first = stats.accepted_by_position[0] / stats.drafts_by_position[0]
+    assert abs(first - 0.7) < 0.05, first
+
+    free = simulate(model_70b, registry, *speculating(0.7))
+    paid = simulate(model_70b, registry, *drafting)
+    assert paid.num_steps == pytest.approx(free.num_steps, rel=0.1)
+    # K passes of a 1B model on the same 4 H100s per step: a visible share of a 70B step.
+    per_step = (paid.duration_s - free.duration_s) / paid.num_steps
+    assert 0.1 * free.duration_s / free.num_steps < per_step < free.duration_s / free.num_steps
