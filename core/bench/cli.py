@@ -250,7 +250,8 @@ def _run_point(plan: _Plan, target: _Target, value: str | None, bar: Any) -> _Co
             point.add(timings, plan.keep_latencies)
     finally:
         if engine is not None:
-            engine.executor.shutdown()
+            for executor in (engine.executor, *engine.draft_executors):
+                executor.shutdown()
     return point
 
 
