@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
 from pathlib import Path
 
 import torch
@@ -40,6 +42,8 @@ __all__ = [
 ]
 
 GIB = 1 << 30
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -157,6 +161,7 @@ def load_draft_model(
         )
     if num_pages < 0:
         raise ConfigError(f"{where}: num_pages = {num_pages}; expected 0 (auto) or more")
+    started = time.perf_counter()
     checkpoint = open_checkpoint(path)
     _check_same_tokenizer(where, served.checkpoint, checkpoint)
     executor = _new_executor(
@@ -169,6 +174,14 @@ def load_draft_model(
     kv: KVManager = registry.get("kv", config.plugin("kv")).factory(
         KVPoolParams(pages, spec.page_size, kv_settings.enable_prefix_caching),
         config["kv"].options,
+    )
+    logger.info(
+        "draft model %s loaded in %.1f s; its KV pool: %d pages of %d tokens (%.2f GiB)",
+        checkpoint.path,
+        time.perf_counter() - started,
+        pages,
+        spec.page_size,
+        pages * spec.bytes_per_page / GIB,
     )
     return DraftModel(
         executor=executor,
