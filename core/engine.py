@@ -552,13 +552,11 @@ class EngineCore:
             return SampledTokens(result.tolist(), None, {})
         drafts: list[DraftRows] = []
         if plan.draft_counts:
-            offset = 0
-            for request, row, count in zip(
-                plan.sampled, plan.sampled_rows, plan.draft_counts, strict=True
+            for request, row, count, offset in zip(
+                plan.sampled, plan.sampled_rows, plan.draft_counts, plan.logits_offsets, strict=True
             ):
                 if count:
                     drafts.append(DraftRows(request, row, offset, request.draft_token_ids[:count]))
-                offset += 1 + count
         # Recomputing reruns the same forward pass, which rewrites the same KV entries.
         return self.sampling.sample(
             result, plan.logits_rows, lambda: self.executor.execute(plan.model_input), drafts
@@ -654,9 +652,8 @@ class EngineCore:
         logprobs: list[list[TokenLogprob | None]] | None = None if sampled.logprobs is None else []
         failures: dict[int, str] = {}
         verified: list[Verified] = []
-        offset = 0
-        for index, (request, num_drafts) in enumerate(
-            zip(plan.sampled, plan.draft_counts, strict=True)
+        for index, (request, num_drafts, offset) in enumerate(
+            zip(plan.sampled, plan.draft_counts, plan.logits_offsets, strict=True)
         ):
             samples = sampled.token_ids[offset : offset + 1 + num_drafts]
             checked = request.draft_token_ids[:num_drafts] if sampled.drafts_checked else []
@@ -669,7 +666,6 @@ class EngineCore:
                 assert sampled.logprobs is not None
                 logprobs.append(sampled.logprobs[offset : last + 1])
             verified.append(verdict)
-            offset += 1 + num_drafts
         return tokens, logprobs, failures, verified
 
     def _record_tokens(

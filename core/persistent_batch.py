@@ -55,6 +55,18 @@ class StepPlan:
     rows are its last token's and one per draft, in order); empty when no request has any."""
 
     @property
+    def logits_offsets(self) -> list[int]:
+        """Each sampled request's first logits row (its last token's; a speculating
+        request's draft positions follow it)."""
+        if not self.draft_counts:
+            return list(range(len(self.sampled)))
+        offsets, offset = [], 0
+        for drafts in self.draft_counts:
+            offsets.append(offset)
+            offset += 1 + drafts
+        return offsets
+
+    @property
     def logits_rows(self) -> list[int]:
         """The persistent row of each logits row (a speculating request's, once per position)."""
         if not self.draft_counts:
