@@ -5,6 +5,7 @@ serve, and the whole engine dead only when every replica is."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -170,9 +171,29 @@ def test_combined_stats_add_counters_and_weigh_queue_time_by_steps() -> None:
     assert total.mean_queue_time_s == pytest.approx((0.2 * 10 + 0.6 * 30) / 40)
     assert total.speculative is None
     assert ReplicaLoad(0, 2, 1, 0.5).load == 3
+    # Taken when the older part was: a front end's combined view is no newer than that.
+    stamped = [dataclasses.replace(a, taken_at=5.0), dataclasses.replace(b, taken_at=3.0)]
+    assert combined_stats(stamped).taken_at == 3.0
 
 
 def test_combined_stats_add_speculation_position_by_position() -> None:
     a = EngineStats(10, 2, 1, 0, 100, 50, 20, 64, 0.2, SpeculativeStats(6, 3, 4, (3, 0), (4, 2)))
     b = EngineStats(30, 4, 0, 1, 10, 5, 40, 64, 0.6, SpeculativeStats(5, 4, 3, (3, 1), (3, 2)))
     assert combined_stats([a, b]).speculative == SpeculativeStats(11, 7, 7, (6, 1), (7, 4))
+
+
+def test_a_replicas_new_snapshot_reaches_the_listener_combined(
+    engines: list[AsyncEngine],
+) -> None:
+    """Front ends of one server publish the engine's gauges as snapshots arrive: a replica's
+    new one is passed on as every replica's counters together."""
+    replicated = ReplicatedEngine(
+        engines, RoundRobinRouter(RouterParams(2, page_size=4), RouterNoOptions())
+    )
+    heard: list[EngineStats] = []
+    replicated.on_snapshot = heard.append
+    listener = engines[1].on_snapshot
+    assert listener is not None  # the replicated engine listens to each replica
+    listener(engines[1].snapshot)
+    assert heard == [replicated.snapshot]
+    assert heard[0].num_pages == sum(e.snapshot.num_pages for e in engines)
