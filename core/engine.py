@@ -7,6 +7,7 @@ server), outside the step loop.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -158,6 +159,35 @@ class EngineCore:
         check_config(config, registry, self.checkpoint)
         model = build_executor(config, registry, self.checkpoint)
         self.executor, self.model_dir = model.executor, model.model_dir
+        self.draft_executors: list[Executor] = []
+        """The executors of models loaded for the proposer (``ProposerParams.load_model``)."""
+        try:
+            self._build_stations(config, registry, model)
+        except BaseException:
+            # Executors may hold processes (tensor-parallel ranks) and devices: release them.
+            for executor in (self.executor, *self.draft_executors):
+                with contextlib.suppress(Exception):
+                    executor.shutdown()
+            raise
+        self.pooler = Pooler()
+        self._pending: list[StepUpdate] = []
+        """Updates made outside a step's own rows (refused or failed requests), for its output."""
+        self.dead: str | None = None
+        """Why the engine can no longer step (None while it can)."""
+        self.requests: dict[str, Request] = {}
+        self._generators: dict[str, torch.Generator] = {}
+        self.num_steps = 0
+        self._queue_time_total = 0.0
+        self._num_scheduled = 0
+        torch.manual_seed(config["model"].settings.seed)
+        self.load_time_s = time.perf_counter() - started
+        """Seconds from the start of construction until the engine could run (weights, KV)."""
+        if self.hook is not None:
+            self.hook.brigade_engine_started(components=config.components)
+
+    def _build_stations(self, config: EngineConfig, registry: Registry, model: ModelPath) -> None:
+        """Everything around the loaded model: KV manager, scheduler, sampler, grammar,
+        persistent batch, speculation."""
         spec = self.executor.kv_cache_spec()
         self.vocab_size = spec.vocab_size
         self.eos_token_ids = self.checkpoint.eos_token_ids
@@ -191,7 +221,7 @@ class EngineCore:
                 max_num_batched_tokens=settings.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
                 enable_chunked_prefill=settings.enable_chunked_prefill,
-                clock=clock,
+                clock=self.clock,
             ),
             self.kv,
             lambda view: policy(view, policy_options),
@@ -253,8 +283,6 @@ class EngineCore:
         )
         self.speculation: Speculation | None = None
         """Speculative decoding (``[speculative] plugin``); None when it is off."""
-        self.draft_executors: list[Executor] = []
-        """The executors of models loaded for the proposer (``ProposerParams.load_model``)."""
         speculative = config["speculative"]
         if speculative.plugin is not None:
             spec_settings = speculative.settings
@@ -277,21 +305,6 @@ class EngineCore:
                 max_model_len=self.max_model_len,
                 processors=self.processors,
             )
-        self.pooler = Pooler()
-        self._pending: list[StepUpdate] = []
-        """Updates made outside a step's own rows (refused or failed requests), for its output."""
-        self.dead: str | None = None
-        """Why the engine can no longer step (None while it can)."""
-        self.requests: dict[str, Request] = {}
-        self._generators: dict[str, torch.Generator] = {}
-        self.num_steps = 0
-        self._queue_time_total = 0.0
-        self._num_scheduled = 0
-        torch.manual_seed(config["model"].settings.seed)
-        self.load_time_s = time.perf_counter() - started
-        """Seconds from the start of construction until the engine could run (weights, KV)."""
-        if self.hook is not None:
-            self.hook.brigade_engine_started(components=config.components)
 
     def _load_draft_model(
         self, registry: Registry, served: ModelPath, path: str, **options: Any

@@ -17,6 +17,7 @@ from brigade import LLM, SamplingParams
 from brigade.errors import ConfigError, ModelLoadError
 from brigade.interfaces import DraftSlot, Request
 from brigade.models.create import create_model
+from brigade.plugins.proposers.draft_model import DraftModelProposer
 
 SPECULATE = ("speculative.num_speculative_tokens=4", "speculative.max_tokens_per_step=64")
 
@@ -179,3 +180,37 @@ def test_what_cannot_draft_is_refused_clearly(models: dict[str, Path], tmp_path:
         drafting(models["target"], models["other-tokenizer"])
     with pytest.raises(ModelLoadError):
         drafting(models["target"], tmp_path / "missing")
+
+
+def test_an_engine_that_fails_to_start_shuts_down_what_it_loaded(
+    models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A proposer that fails after its draft model loaded: the served model's executor and
+    the draft's are both shut down (tensor-parallel ranks, devices), not left behind."""
+    from brigade.interfaces import NoOptions, ProposerParams
+    from brigade.plugins.executors.torch_executor import TorchExecutor
+    from brigade.registry import load_registry
+
+    stopped: list[TorchExecutor] = []
+    shutdown = TorchExecutor.shutdown
+
+    def recording(self: TorchExecutor) -> None:
+        stopped.append(self)
+        shutdown(self)
+
+    monkeypatch.setattr(TorchExecutor, "shutdown", recording)
+
+    def failing(params: ProposerParams, options: NoOptions) -> DraftModelProposer:
+        assert params.load_model is not None
+        params.load_model(str(models["small"]))
+        raise ConfigError("this proposer gives up")
+
+    registry = load_registry()
+    registry.add("proposer", "gives-up", failing)
+    with pytest.raises(ConfigError, match="gives up"):
+        LLM(
+            overrides=[f"model.path={models['target']}", "speculative.plugin=gives-up"],
+            registry=registry,
+        )
+    assert len(stopped) == 2
+    assert [Path(e.params.model_path).name for e in stopped] == ["target", "small"]
