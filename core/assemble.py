@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from brigade.config import EngineConfig
+from brigade.config import EngineConfig, check_draft_model
 from brigade.errors import ConfigError, ModelLoadError
 from brigade.grammar import GrammarManager
 from brigade.interfaces import (
@@ -148,22 +148,14 @@ def load_draft_model(
     """``ProposerParams.load_model`` for an engine serving ``served``: the model
     at ``path`` on the engine's executor and attention plugins, with a KV pool of its own
     (``num_pages``; 0: as many as the served model's) under a new instance of the engine's KV
-    manager plugin. Refuses a model whose tokenizer is not the served model's."""
-    from brigade.models.checkpoint import open_checkpoint
-
+    manager plugin. Refuses what :func:`check_draft_model` refuses."""
     where = f"{config.source} [speculative] model {path!r}"
     if dtype != "auto" and dtype not in DTYPE_NAMES:
         raise ConfigError(f"{where}: dtype {dtype!r}; allowed: auto, {', '.join(DTYPE_NAMES)}")
-    if getattr(config["executor"].options, "tensor_parallel_size", 1) > 1:
-        raise ConfigError(
-            f"{where}: a draft model does not run under tensor parallelism yet; set "
-            "[executor] tensor_parallel_size = 1 or use the ngram or suffix proposer"
-        )
     if num_pages < 0:
         raise ConfigError(f"{where}: num_pages = {num_pages}; expected 0 (auto) or more")
     started = time.perf_counter()
-    checkpoint = open_checkpoint(path)
-    _check_same_tokenizer(where, served.checkpoint, checkpoint)
+    checkpoint = check_draft_model(config, registry, served.checkpoint, path)
     executor = _new_executor(
         config, registry, checkpoint, served.dtype if dtype == "auto" else dtype, 0
     )
@@ -192,21 +184,6 @@ def load_draft_model(
         max_model_len=min(spec.max_model_len, served.max_model_len, pages * spec.page_size),
         vocab_size=spec.vocab_size,
     )
-
-
-def _check_same_tokenizer(where: str, served: Checkpoint, draft: Checkpoint) -> None:
-    """A draft speaks the served model's token ids: the same vocabulary, id for id."""
-    mine, theirs = served.tokenizer(), draft.tokenizer()
-    if mine is None or theirs is None:
-        return  # token-id models (tests, config-only folders): ids are all there is
-    ours, its = mine.get_vocab(), theirs.get_vocab()
-    if ours != its:
-        differ = sum(1 for token, i in its.items() if ours.get(token) != i)
-        raise ConfigError(
-            f"{where}: its tokenizer is not the served model's ({len(its)} tokens, "
-            f"{differ + len(set(ours) - set(its))} differ from the served model's {len(ours)}); "
-            "a draft model must share the served model's tokenizer"
-        )
 
 
 def build_sampler(config: EngineConfig, registry: Registry, params: SamplerParams) -> Sampler:

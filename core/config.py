@@ -24,6 +24,7 @@ __all__ = [
     "EngineConfig",
     "StationConfig",
     "check_config",
+    "check_draft_model",
     "load_config",
     "parse_override",
 ]
@@ -131,7 +132,14 @@ def check_config(
                 f"{chosen.plugin!r}; it needs {rule.describe()}"
             )
     _check_speculative(config, registry)
+    from brigade.models.checkpoint import open_checkpoint
+
+    settings = config["model"].settings
+    checkpoint = checkpoint or open_checkpoint(settings.path, chat_template=settings.chat_template)
     notes.append(f"model: {_check_model(config, registry, checkpoint)}")
+    draft = _check_proposer_model(config, registry, checkpoint)
+    if draft is not None:
+        notes.append(f"draft model: {draft}")
     return notes
 
 
@@ -152,13 +160,70 @@ def _check_speculative(config: EngineConfig, registry: Registry) -> None:
         )
 
 
-def _check_model(config: EngineConfig, registry: Registry, checkpoint: Checkpoint | None) -> str:
-    """Open the model (no weights), check what loading checks, describe it in one line."""
+def _check_proposer_model(
+    config: EngineConfig, registry: Registry, served: Checkpoint
+) -> str | None:
+    """The model the proposer will load (``Proposer.model_to_load``), checked without its
+    weights; described in one line, or None when it loads none."""
+    speculative = config["speculative"]
+    if speculative.plugin is None:
+        return None
+    factory = registry.get("proposer", speculative.plugin).factory
+    model_to_load = getattr(factory, "model_to_load", None)
+    path = model_to_load(speculative.options) if model_to_load is not None else None
+    if path is None:
+        return None
+    draft = check_draft_model(config, registry, served, path)
+    return f"{draft.name} ({draft.format}) at {draft.path}"
+
+
+def check_draft_model(
+    config: EngineConfig, registry: Registry, served: Checkpoint, path: str
+) -> Checkpoint:
+    """Open the draft model at ``path`` (no weights) and refuse what loading it would: a
+    missing or unreadable model (``ModelLoadError``), an unsupported architecture, another
+    tokenizer than the served model's, tensor parallelism (``ConfigError``)."""
     from brigade.assemble import model_architecture
     from brigade.models.checkpoint import open_checkpoint
 
-    settings = config["model"].settings
-    checkpoint = checkpoint or open_checkpoint(settings.path, chat_template=settings.chat_template)
+    where = f"{config.source} [speculative] model {path!r}"
+    if getattr(config["executor"].options, "tensor_parallel_size", 1) > 1:
+        raise ConfigError(
+            f"{where}: a draft model does not run under tensor parallelism yet; set "
+            "[executor] tensor_parallel_size = 1 or use the ngram or suffix proposer"
+        )
+    checkpoint = open_checkpoint(path)
+    try:
+        architecture = model_architecture(checkpoint, registry)
+    except ModelLoadError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    try:
+        architecture.validate_config(checkpoint.config)
+    except ValueError as exc:
+        raise ModelLoadError(f"{where}: {exc}") from None
+    _check_same_tokenizer(where, served, checkpoint)
+    return checkpoint
+
+
+def _check_same_tokenizer(where: str, served: Checkpoint, draft: Checkpoint) -> None:
+    """A draft speaks the served model's token ids: the same vocabulary, id for id."""
+    mine, theirs = served.tokenizer(), draft.tokenizer()
+    if mine is None or theirs is None:
+        return  # token-id models (tests, config-only folders): ids are all there is
+    ours, its = mine.get_vocab(), theirs.get_vocab()
+    if ours != its:
+        differ = sum(1 for token, i in its.items() if ours.get(token) != i)
+        raise ConfigError(
+            f"{where}: its tokenizer is not the served model's ({len(its)} tokens, "
+            f"{differ + len(set(ours) - set(its))} differ from the served model's {len(ours)}); "
+            "a draft model must share the served model's tokenizer"
+        )
+
+
+def _check_model(config: EngineConfig, registry: Registry, checkpoint: Checkpoint) -> str:
+    """Open the model (no weights), check what loading checks, describe it in one line."""
+    from brigade.assemble import model_architecture
+
     where = f"{config.source} [model]"
     try:
         architecture = model_architecture(checkpoint, registry)

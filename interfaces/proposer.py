@@ -117,6 +117,15 @@ class Proposer(abc.ABC):
         self.params = params
         self.options = options
 
+    @classmethod
+    def model_to_load(cls, options: Any) -> str | None:
+        """The model this proposer will load through :attr:`ProposerParams.load_model` with
+        ``options`` (a path), or None. Core checks it before any weights load (``brigade
+        config check`` and engine start): it opens, its architecture is supported, its
+        tokenizer is the served model's. Raise ``ConfigError`` for options that name no usable
+        model. Default: None (API 2.5)."""
+        return None
+
     @abc.abstractmethod
     def propose(self, slots: Sequence[DraftSlot]) -> Sequence[Sequence[int]]:
         """Draft tokens for each slot, in order: up to ``slot.max_tokens`` ids, possibly none

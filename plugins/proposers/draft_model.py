@@ -102,13 +102,18 @@ class DraftModelProposer(Proposer):
     exact at any temperature; the draft only decides how many tokens a step gains.
     """
 
-    def __init__(self, params: ProposerParams, options: DraftModelOptions) -> None:
-        super().__init__(params, options)
+    @classmethod
+    def model_to_load(cls, options: DraftModelOptions) -> str:
         if not options.model:
             raise ConfigError(
                 "[speculative] plugin = 'draft-model' needs model = <a Hugging Face directory "
                 "or GGUF file with the served model's tokenizer>"
             )
+        return options.model
+
+    def __init__(self, params: ProposerParams, options: DraftModelOptions) -> None:
+        super().__init__(params, options)
+        self.model_to_load(options)
         if params.load_model is None:
             raise ConfigError(
                 "[speculative] plugin = 'draft-model': this engine cannot load a second model; "

@@ -214,3 +214,31 @@ def test_an_engine_that_fails_to_start_shuts_down_what_it_loaded(
         )
     assert len(stopped) == 2
     assert [Path(e.params.model_path).name for e in stopped] == ["target", "small"]
+
+
+def test_config_check_opens_the_draft_model_without_its_weights(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    """``brigade config check`` (and engine start, before any weights load) refuses what
+    loading the draft model would, and names the one it would load."""
+    from brigade.config import check_config, load_config
+    from brigade.registry import load_registry
+
+    registry = load_registry()
+
+    def check(*settings: str) -> list[str]:
+        overrides = [f"model.path={models['target']}", "speculative.plugin=draft-model"]
+        return check_config(
+            load_config(None, registry, overrides=[*overrides, *settings]), registry
+        )
+
+    notes = check(f"speculative.model={models['small']}")
+    assert any(note.startswith("draft model: small") for note in notes), notes
+    with pytest.raises(ConfigError, match="needs model ="):
+        check()
+    with pytest.raises(ConfigError, match="tokenizer is not the served model's"):
+        check(f"speculative.model={models['other-tokenizer']}")
+    with pytest.raises(ModelLoadError):
+        check(f"speculative.model={tmp_path / 'missing'}")
+    with pytest.raises(ConfigError, match="tensor parallelism"):
+        check(f"speculative.model={models['small']}", "executor.tensor_parallel_size=2")
