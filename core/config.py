@@ -192,7 +192,10 @@ def check_draft_model(
             f"{where}: a draft model does not run under tensor parallelism yet; set "
             "[executor] tensor_parallel_size = 1 or use the ngram or suffix proposer"
         )
-    checkpoint = open_checkpoint(path)
+    try:
+        checkpoint = open_checkpoint(path)
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"{where}: {exc}") from None
     try:
         architecture = model_architecture(checkpoint, registry)
     except ModelLoadError as exc:

@@ -238,7 +238,7 @@ def test_config_check_opens_the_draft_model_without_its_weights(
         check()
     with pytest.raises(ConfigError, match="tokenizer is not the served model's"):
         check(f"speculative.model={models['other-tokenizer']}")
-    with pytest.raises(ModelLoadError):
+    with pytest.raises(ModelLoadError, match=r"\[speculative\] model .*missing"):
         check(f"speculative.model={tmp_path / 'missing'}")
     with pytest.raises(ConfigError, match="tensor parallelism"):
         check(f"speculative.model={models['small']}", "executor.tensor_parallel_size=2")
