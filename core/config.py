@@ -183,7 +183,6 @@ def check_draft_model(
     """Open the draft model at ``path`` (no weights) and refuse what loading it would: a
     missing or unreadable model (``ModelLoadError``), an unsupported architecture, another
     tokenizer than the served model's, tensor parallelism (``ConfigError``)."""
-    from brigade.assemble import model_architecture
     from brigade.models.checkpoint import open_checkpoint
 
     where = f"{config.source} [speculative] model {path!r}"
@@ -196,6 +195,15 @@ def check_draft_model(
         checkpoint = open_checkpoint(path)
     except ModelLoadError as exc:
         raise ModelLoadError(f"{where}: {exc}") from None
+    _check_architecture(where, checkpoint, registry)
+    _check_same_tokenizer(where, served, checkpoint)
+    return checkpoint
+
+
+def _check_architecture(where: str, checkpoint: Checkpoint, registry: Registry) -> None:
+    """A registered architecture that accepts the checkpoint's config."""
+    from brigade.assemble import model_architecture
+
     try:
         architecture = model_architecture(checkpoint, registry)
     except ModelLoadError as exc:
@@ -204,8 +212,6 @@ def check_draft_model(
         architecture.validate_config(checkpoint.config)
     except ValueError as exc:
         raise ModelLoadError(f"{where}: {exc}") from None
-    _check_same_tokenizer(where, served, checkpoint)
-    return checkpoint
 
 
 def _check_same_tokenizer(where: str, served: Checkpoint, draft: Checkpoint) -> None:
@@ -224,18 +230,9 @@ def _check_same_tokenizer(where: str, served: Checkpoint, draft: Checkpoint) -> 
 
 
 def _check_model(config: EngineConfig, registry: Registry, checkpoint: Checkpoint) -> str:
-    """Open the model (no weights), check what loading checks, describe it in one line."""
-    from brigade.assemble import model_architecture
-
+    """Check what loading the opened model checks (no weights); describe it in one line."""
     where = f"{config.source} [model]"
-    try:
-        architecture = model_architecture(checkpoint, registry)
-    except ModelLoadError as exc:
-        raise ConfigError(f"{where}: {exc}") from None
-    try:
-        architecture.validate_config(checkpoint.config)
-    except ValueError as exc:
-        raise ModelLoadError(f"{where}: {exc}") from None
+    _check_architecture(where, checkpoint, registry)
     names = checkpoint.config.get("architectures") or ["?"]
     described = f"{checkpoint.name} ({checkpoint.format}, {names[0]}) at {checkpoint.path}"
     tokenizer = checkpoint.tokenizer()
