@@ -23,14 +23,13 @@ from brigade.interfaces import (
     ConfigError,
     DraftModel,
     DraftSlot,
-    KVManager,
-    ModelInput,
     Proposer,
     ProposerParams,
     Request,
     option,
 )
 from brigade.interfaces.executor import DTYPE_NAMES
+from brigade.model_input import SeqChunk, build_model_input
 
 __all__ = ["DraftModelOptions", "DraftModelProposer"]
 
@@ -241,8 +240,12 @@ class DraftModelProposer(Proposer):
     def _forward(self, rows: list[_Row]) -> list[int]:
         """One forward pass of the draft model over ``rows``: the argmax after each row's
         last token."""
-        order = sorted(range(len(rows)), key=lambda i: len(rows[i].tokens) > 1)
-        batch = _model_input([rows[i] for i in order], self.draft.kv, self.draft.page_size)
+        kv = self.draft.kv
+        chunks = [
+            SeqChunk(row.tokens, row.start, kv.block_table(row.shadow.request)) for row in rows
+        ]
+        order = sorted(range(len(rows)), key=lambda i: not chunks[i].is_decode)  # decodes first
+        batch = build_model_input([chunks[i] for i in order], self.draft.page_size)
         output = self.draft.executor.execute(batch)
         if self._returns_token_ids:
             tokens = (output % self.vocab_size).tolist()
@@ -267,45 +270,3 @@ def _tokens(request: Request, start: int, count: int) -> list[int]:
     if start >= len(prompt):
         return output[start - len(prompt) : end - len(prompt)]
     return [*prompt[start:end], *output[: max(0, end - len(prompt))]]
-
-
-def _model_input(rows: Sequence[_Row], kv: KVManager, page_size: int) -> ModelInput:
-    """The flat executor input of ``rows`` (single-token rows first, as backends expect)."""
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    starts = [0]
-    seq_lens: list[int] = []
-    tables: list[Sequence[int]] = []
-    for row in rows:
-        table = kv.block_table(row.shadow.request)
-        tables.append(table)
-        for offset, token in enumerate(row.tokens):
-            position = row.start + offset
-            input_ids.append(token)
-            positions.append(position)
-            slots.append(table[position // page_size] * page_size + position % page_size)
-        starts.append(len(input_ids))
-        seq_lens.append(row.start + len(row.tokens))
-    width = max(-(-length // page_size) for length in seq_lens)
-    block_tables = torch.zeros(len(rows), width, dtype=torch.int32)
-    for i, (table, length) in enumerate(zip(tables, seq_lens, strict=True)):
-        used = -(-length // page_size)
-        block_tables[i, :used] = torch.tensor(list(table[:used]), dtype=torch.int32)
-    query_start_loc = torch.tensor(starts, dtype=torch.int32)
-    lengths = torch.tensor(seq_lens, dtype=torch.int32)
-    return ModelInput(
-        input_ids=torch.tensor(input_ids, dtype=torch.int64),
-        positions=torch.tensor(positions, dtype=torch.int64),
-        query_start_loc=query_start_loc,
-        seq_lens=lengths,
-        block_tables=block_tables,
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        logits_indices=torch.tensor([end - 1 for end in starts[1:]], dtype=torch.int64),
-        query_start_loc_cpu=query_start_loc,
-        seq_lens_cpu=lengths,
-        num_decodes=sum(1 for row in rows if len(row.tokens) == 1),
-        max_query_len=max(len(row.tokens) for row in rows),
-        max_seq_len=max(seq_lens),
-        page_size=page_size,
-    )
