@@ -75,7 +75,6 @@ class SpeculativeStats:
         present = [s for s in stats if s is not None]
         if not present:
             return None
-        first, rest = present[0], present[1:]
 
         def total(values: Sequence[int]) -> int:
             return values[0] + sign * sum(values[1:])
@@ -83,13 +82,12 @@ class SpeculativeStats:
         def by_position(rows: list[tuple[int, ...]]) -> tuple[int, ...]:
             return tuple(total(column) for column in itertools.zip_longest(*rows, fillvalue=0))
 
-        everyone = [first, *rest]
         return SpeculativeStats(
-            total([s.num_drafts for s in everyone]),
-            total([s.num_accepted for s in everyone]),
-            total([s.num_verifications for s in everyone]),
-            by_position([s.accepted_by_position for s in everyone]),
-            by_position([s.drafts_by_position for s in everyone]),
+            total([s.num_drafts for s in present]),
+            total([s.num_accepted for s in present]),
+            total([s.num_verifications for s in present]),
+            by_position([s.accepted_by_position for s in present]),
+            by_position([s.drafts_by_position for s in present]),
         )
 
     @property
