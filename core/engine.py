@@ -12,64 +12,39 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from brigade.admission import Admission, check_request
-from brigade.assemble import (
-    ModelPath,
-    build_executor,
-    build_grammar,
-    build_sampler,
-    load_draft_model,
-    open_model,
-)
+from brigade.assemble import ModelPath, build_executor, load_draft_model, open_model
 from brigade.config import EngineConfig, check_config
+from brigade.engine_stations import build_stations
 from brigade.errors import ConfigError, EngineDeadError, RequestError, RequestFailedError
-from brigade.grammar import GrammarManager
 from brigade.hooks import notify_request_finished
 from brigade.interfaces import (
     DraftModel,
     Executor,
     ExtraValue,
-    GrammarParams,
-    KVManager,
-    KVPoolParams,
-    LogitsProcessor,
     PoolingParams,
-    ProposerParams,
     Request,
     RequestStatus,
-    Sampler,
-    SamplerParams,
     SamplingParams,
     SchedulerOutput,
-    SchedulerParams,
     freeze_extra,
 )
-from brigade.persistent_batch import PersistentBatch, StepPlan
+from brigade.persistent_batch import StepPlan
 from brigade.pooling import Pooler
 from brigade.registry import Registry
-from brigade.sampling_stage import (
-    DraftRows,
-    SampledTokens,
-    SamplingStage,
-    TokenLogprob,
-    describe,
-)
-from brigade.scheduling import BatchScheduler
-from brigade.speculative import Speculation, SpeculativeStats, Verified, verify
-from brigade.swap import SwapSpace
+from brigade.sampling_stage import DraftRows, SampledTokens, TokenLogprob, describe
+from brigade.speculative import SpeculativeStats, Verified
+from brigade.step_tokens import accepted_plan, asked, record_tokens, verify_drafts, without
 
 __all__ = ["EngineCore", "EngineStats", "StepUpdate", "TokenLogprob"]
 
 logger = logging.getLogger(__name__)
 
-SHARED_PREFILL_MIN_TOKENS = 32
-"""A waiting request that shares at least this many uncached prompt tokens (and a page) with a
-prefill of the current step is admitted one step later, from the cache (``BatchScheduler``)."""
 GRAMMAR_WAIT_S = 0.01
 """With nothing to run but requests waiting for their grammar, a step waits this long for one."""
 
@@ -186,125 +161,33 @@ class EngineCore:
             self.hook.brigade_engine_started(components=config.components)
 
     def _build_stations(self, config: EngineConfig, registry: Registry, model: ModelPath) -> None:
-        """Everything around the loaded model: KV manager, scheduler, sampler, grammar,
-        persistent batch, speculation."""
-        spec = self.executor.kv_cache_spec()
-        self.vocab_size = spec.vocab_size
-        self.eos_token_ids = self.checkpoint.eos_token_ids
-        self.sampling_defaults: dict[str, float] = (
-            dict(self.checkpoint.sampling_defaults())
-            if config["model"].settings.generation_config == "auto"
-            else {}
-        )
-        """Sampling parameters that requests leaving them unset get (the model's advice)."""
-        settings = config["scheduler"].settings
-        # A sequence never outgrows the pool, so a request alone always fits.
-        self.max_model_len = min(model.max_model_len, model.num_pages * model.page_size)
-        if not settings.enable_chunked_prefill and (
-            settings.max_num_batched_tokens < self.max_model_len
-        ):
-            raise ConfigError(
-                f"{config.source} [scheduler]: with enable_chunked_prefill = false, "
-                f"max_num_batched_tokens ({settings.max_num_batched_tokens}) must be at least "
-                f"max_model_len ({self.max_model_len})"
-            )
-        kv_settings = config["kv"].settings
-        self.kv: KVManager = registry.get("kv", config.plugin("kv")).factory(
-            KVPoolParams(model.num_pages, model.page_size, kv_settings.enable_prefix_caching),
-            config["kv"].options,
-        )
-        policy = registry.get("scheduler", config.plugin("scheduler")).factory
-        policy_options = config["scheduler"].options
-        self.scheduler = BatchScheduler(
-            SchedulerParams(
-                max_num_seqs=settings.max_num_seqs,
-                max_num_batched_tokens=settings.max_num_batched_tokens,
-                max_model_len=self.max_model_len,
-                enable_chunked_prefill=settings.enable_chunked_prefill,
-                clock=self.clock,
-            ),
-            self.kv,
-            lambda view: policy(view, policy_options),
-            swap=SwapSpace(model.host_pages) if settings.preemption == "swap" else None,
-            # Sharing prefills pays once the shared part fills a page and is worth a step.
-            share_prefills_from=(
-                max(model.page_size, SHARED_PREFILL_MIN_TOKENS)
-                if kv_settings.enable_prefix_caching
-                else 0
-            ),
-        )
-        self.device = torch.device(self.executor.device)
-        self.sampler_name = config.plugin("sampler")
-        self.sampler: Sampler = build_sampler(
+        """Everything around the loaded model (``brigade.engine_stations``)."""
+        stations = build_stations(
             config,
             registry,
-            SamplerParams(
-                settings.max_num_seqs,
-                self.vocab_size,
-                str(self.device),
-                model_dir=self.checkpoint.path,
-                eos_token_ids=tuple(sorted(self.eos_token_ids)),
-                checkpoint=self.checkpoint,
-            ),
+            self.checkpoint,
+            model,
+            self.executor,
+            clock=self.clock,
+            load_model=functools.partial(self._load_draft_model, registry, model),
         )
-        # An executor that returns token ids (no logits) leaves processors nothing to act on.
-        self._executor_returns_token_ids = type(self.executor).returns_token_ids
-        self.processors: list[LogitsProcessor] = (
-            [] if self._executor_returns_token_ids else list(self.sampler.logits_processors())
-        )
-        self.grammar: GrammarManager | None = None
+        self.vocab_size = stations.vocab_size
+        self.eos_token_ids = stations.eos_token_ids
+        self.sampling_defaults = stations.sampling_defaults
+        """Sampling parameters that requests leaving them unset get (the model's advice)."""
+        self.max_model_len = stations.max_model_len
+        self.kv = stations.kv
+        self.scheduler = stations.scheduler
+        self.device = stations.device
+        self.sampler_name, self.sampler = stations.sampler_name, stations.sampler
+        self._executor_returns_token_ids = stations.returns_token_ids
+        self.processors = stations.processors
+        self.grammar = stations.grammar
         """The structured-output station (None when the executor returns no logits)."""
-        if not self._executor_returns_token_ids:
-            self.grammar = build_grammar(
-                config,
-                registry,
-                GrammarParams(
-                    self.vocab_size,
-                    tuple(sorted(self.eos_token_ids)),
-                    str(self.device),
-                    checkpoint=self.checkpoint,
-                ),
-                settings.max_num_seqs,
-            )
-            self.processors.append(self.grammar)  # last: nothing re-enables what it masks
-        self.batch = PersistentBatch(
-            settings.max_num_seqs,
-            self.max_model_len,
-            model.page_size,
-            settings.max_num_batched_tokens,
-        )
-        self.sampling = SamplingStage(
-            self.sampler,
-            self.sampler_name,
-            self.processors,
-            self.batch,
-            self.device,
-            self.vocab_size,
-        )
-        self.speculation: Speculation | None = None
+        self.batch = stations.batch
+        self.sampling = stations.sampling
+        self.speculation = stations.speculation
         """Speculative decoding (``[speculative] plugin``); None when it is off."""
-        speculative = config["speculative"]
-        if speculative.plugin is not None:
-            spec_settings = speculative.settings
-            proposer = registry.get("proposer", speculative.plugin).factory(
-                ProposerParams(
-                    spec_settings.num_speculative_tokens,
-                    self.vocab_size,
-                    settings.max_num_seqs,
-                    self.max_model_len,
-                    checkpoint=self.checkpoint,
-                    load_model=functools.partial(self._load_draft_model, registry, model),
-                ),
-                speculative.options,
-            )
-            self.speculation = Speculation(
-                proposer,
-                speculative.plugin,
-                spec_settings,
-                vocab_size=self.vocab_size,
-                max_model_len=self.max_model_len,
-                processors=self.processors,
-            )
 
     def _load_draft_model(
         self, registry: Registry, served: ModelPath, path: str, **options: Any
@@ -529,7 +412,7 @@ class EngineCore:
                     self._fail(item.request, error)
                     refused.append(item.request)
         if refused:
-            output = _without(output, refused)
+            output = without(output, refused)
         if output.is_empty:
             if self.grammar is not None and not refused:  # only grammars compiling: no spin
                 self.grammar.wait(GRAMMAR_WAIT_S)
@@ -587,7 +470,7 @@ class EngineCore:
         requests, rows = plan.sampled, plan.sampled_rows
         verified: list[Verified] | None = None
         if plan.draft_counts:
-            tokens, logprobs, failures, verified = self._verify(plan, sampled)
+            tokens, logprobs, failures, verified = verify_drafts(plan, sampled)
         else:
             tokens = [[token] for token in sampled.token_ids]
             logprobs = None if sampled.logprobs is None else [[lp] for lp in sampled.logprobs]
@@ -604,7 +487,9 @@ class EngineCore:
             logprobs = None if logprobs is None else [logprobs[i] for i in keep]
             verified = None if verified is None else [verified[i] for i in keep]
         if requests:
-            rejected, complete = self._record_tokens(requests, rows, tokens)
+            rejected, complete = record_tokens(
+                self.batch, self.sampling, self.grammar, requests, rows, tokens
+            )
             for index, (request, new) in enumerate(zip(requests, tokens, strict=True)):
                 if index in rejected:
                     failed[request] = rejected[index]
@@ -629,16 +514,17 @@ class EngineCore:
                     StepUpdate(
                         request,
                         new if emitted == len(new) else new[:emitted],
-                        _asked(logprobs[index][:emitted]) if logprobs is not None else None,
+                        asked(logprobs[index][:emitted]) if logprobs is not None else None,
                         status is not None,
                     )
                 )
         if verified is not None:
-            output = self._observe_drafts(output, requests, verified, failed)
+            assert self.speculation is not None
+            output = accepted_plan(self.speculation, output, requests, verified, failed)
         for request, error in failed.items():
             self._fail(request, error)
         if failed:
-            output = _without(output, failed)
+            output = without(output, failed)
         self.scheduler.update(output, finished)
         for item in output.scheduled:
             self.kv.commit(item.request)
@@ -650,108 +536,6 @@ class EngineCore:
             return updates
         pending.extend(updates)
         return pending
-
-    def _verify(
-        self, plan: StepPlan, sampled: SampledTokens
-    ) -> tuple[
-        list[list[int]],
-        list[list[TokenLogprob | None]] | None,
-        dict[int, str],
-        list[Verified],
-    ]:
-        """Per sampled request: the tokens it emits (accepted drafts, then the next sampled
-        one), their logprobs, why it failed (its emitted position failed) and the verdict."""
-        tokens: list[list[int]] = []
-        logprobs: list[list[TokenLogprob | None]] | None = None if sampled.logprobs is None else []
-        failures: dict[int, str] = {}
-        verified: list[Verified] = []
-        for index, (request, num_drafts, offset) in enumerate(
-            zip(plan.sampled, plan.draft_counts, plan.logits_offsets, strict=True)
-        ):
-            samples = sampled.token_ids[offset : offset + 1 + num_drafts]
-            checked = request.draft_token_ids[:num_drafts] if sampled.drafts_checked else []
-            verdict = verify(samples, checked)
-            last = offset + verdict.num_accepted  # a failed row never equals a draft
-            if last in sampled.failures:
-                failures[index] = sampled.failures[last]
-            tokens.append(verdict.token_ids)
-            if logprobs is not None:
-                assert sampled.logprobs is not None
-                logprobs.append(sampled.logprobs[offset : last + 1])
-            verified.append(verdict)
-        return tokens, logprobs, failures, verified
-
-    def _record_tokens(
-        self, requests: Sequence[Request], rows: list[int], tokens: list[list[int]]
-    ) -> tuple[dict[int, str], dict[int, int]]:
-        """Write the step's tokens to the batch and give them to the logits processors.
-
-        Returns the index of each request a processor failed for -> why, and the index of each
-        request whose grammar completed -> after how many of its tokens (nothing but a stop
-        token could follow them: the rest are dropped).
-        """
-        grammar = self.grammar
-        if all(len(new) == 1 for new in tokens):
-            firsts = [new[0] for new in tokens]
-            self.batch.append_tokens(rows, [request.num_tokens for request in requests], firsts)
-            failed = self.sampling.accept(rows, firsts)
-            done = self.sampling.finished_rows(grammar) if grammar is not None else set()
-            return failed, {i: 1 for i, row in enumerate(rows) if row in done}
-        flat_rows: list[int] = []
-        positions: list[int] = []
-        flat_tokens: list[int] = []
-        for row, request, new in zip(rows, requests, tokens, strict=True):
-            flat_rows.extend([row] * len(new))
-            positions.extend(range(request.num_tokens, request.num_tokens + len(new)))
-            flat_tokens.extend(new)
-        self.batch.append_tokens(flat_rows, positions, flat_tokens)
-        rejected: dict[int, str] = {}
-        complete: dict[int, int] = {}
-        for position in range(max(map(len, tokens))):  # one batch call per position
-            indices = [
-                i
-                for i, new in enumerate(tokens)
-                if len(new) > position and i not in rejected and i not in complete
-            ]
-            if not indices:
-                break
-            failures = self.sampling.accept(
-                [rows[i] for i in indices], [tokens[i][position] for i in indices]
-            )
-            for subset_index, error in failures.items():
-                rejected.setdefault(indices[subset_index], error)
-            if grammar is not None:
-                done = self.sampling.finished_rows(grammar)
-                complete.update((i, position + 1) for i in indices if rows[i] in done)
-        return rejected, complete
-
-    def _observe_drafts(
-        self,
-        output: SchedulerOutput,
-        requests: Sequence[Request],
-        verified: list[Verified],
-        failed: Mapping[Request, str],
-    ) -> SchedulerOutput:
-        """Tell the speculation station what was accepted; the step's plan with each
-        speculating request computing only its accepted drafts (the rest of its KV is
-        rewritten by later steps)."""
-        assert self.speculation is not None
-        accepted: dict[int, int] = {}
-        for request, verdict in zip(requests, verified, strict=True):
-            if verdict.num_drafts and request not in failed:
-                self.speculation.observe(request, verdict)
-                accepted[id(request)] = verdict.num_accepted
-        scheduled = tuple(
-            dataclasses.replace(
-                item,
-                num_new_tokens=1 + accepted.get(id(item.request), 0),
-                num_draft_tokens=accepted.get(id(item.request), 0),
-            )
-            if item.num_draft_tokens
-            else item
-            for item in output.scheduled
-        )
-        return dataclasses.replace(output, scheduled=scheduled)
 
     def _pool(
         self,
@@ -871,16 +655,3 @@ class EngineCore:
         self._generators.pop(request.request_id, None)
         if self.grammar is not None:
             self.grammar.drop(request)
-
-
-def _asked(logprobs: list[TokenLogprob | None]) -> list[TokenLogprob] | None:
-    """A request's logprobs for its new tokens; None when it did not ask for them."""
-    if logprobs[0] is None:
-        return None
-    return logprobs  # type: ignore[return-value]  # a request asks for all or none
-
-
-def _without(output: SchedulerOutput, requests: Collection[Request]) -> SchedulerOutput:
-    """``output`` less the entries of ``requests`` (which failed in this step)."""
-    kept = tuple(item for item in output.scheduled if item.request not in requests)
-    return dataclasses.replace(output, scheduled=kept)
