@@ -21,15 +21,12 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from brigade.config import load_config
-from brigade.errors import BrigadeError
 from brigade.interfaces import ReplicaLoad, RouterParams, SamplingParams
 from brigade.output import RequestOutput
+from brigade.ray_actors import replicas_on_ray, require_ray, spread_actors
 from brigade.registry import default_registry
 
 __all__ = ["ReplicaResult", "generate_on_replicas", "place_prompts"]
-
-RAY_PLACEMENT_TIMEOUT_S = 120.0
-"""How long the replicas' placement group may wait for CPUs on the Ray cluster."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +87,6 @@ def generate_on_replicas(
     ``RAY_ADDRESS`` names, else a local one)."""
     registry = default_registry()
     config = load_config(config_path, registry, overrides=overrides)
-    backend = getattr(config["executor"].options, "distributed_executor_backend", "mp")
     num_replicas = config["router"].settings.data_parallel_size
     placed = place_prompts(config, registry, prompts, num_replicas)
     threads = _threads_per_replica(config, num_replicas)
@@ -104,7 +100,7 @@ def generate_on_replicas(
             replica_overrides.append(f"executor.num_threads={threads}")
         share = [prompts[i] for i in indices]
         jobs.append(_Job(replica, indices, replica_overrides, share, threads or 1))
-    run = _run_on_ray if backend == "ray" else _run_in_processes
+    run = _run_on_ray if replicas_on_ray(config) else _run_in_processes
     messages = run(jobs, config_path, params, chat)
     return [
         ReplicaResult(
@@ -154,25 +150,8 @@ def _run_on_ray(
 ) -> list[dict[str, Any]]:
     """One Ray actor per replica, each in its bundle of a placement group spread over the
     cluster's nodes; every actor and the group are gone when this returns."""
-    try:
-        import ray
-        from ray.util.placement_group import placement_group, remove_placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-    except ImportError:
-        raise BrigadeError("the ray backend needs Ray: pip install 'brigade-llm[ray]'") from None
-    started_here = not ray.is_initialized()
-    if started_here:
-        ray.init(log_to_driver=False)  # RAY_ADDRESS names a cluster; without it, a local one
-    group = placement_group([{"CPU": job.threads} for job in jobs], strategy="SPREAD")
-    actors: list[Any] = []
-    try:
-        ray.get(group.ready(), timeout=RAY_PLACEMENT_TIMEOUT_S)
-        actor_class = ray.remote(_ReplicaActor)
-        for bundle, job in enumerate(jobs):
-            strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle)
-            actors.append(
-                actor_class.options(num_cpus=job.threads, scheduling_strategy=strategy).remote()
-            )
+    ray = require_ray()
+    with spread_actors(_ReplicaActor, [job.threads for job in jobs]) as actors:
         refs = [
             actor.run.remote(config_path, job.overrides, job.prompts, params, chat)
             for actor, job in zip(actors, jobs, strict=True)
@@ -184,12 +163,6 @@ def _run_on_ray(
             except ray.exceptions.RayError as exc:  # the actor or its node died
                 messages.append({"error": f"the replica's Ray actor failed: {exc}"})
         return messages
-    finally:
-        for actor in actors:
-            ray.kill(actor)
-        remove_placement_group(group)
-        if started_here:
-            ray.shutdown()
 
 
 class _ReplicaActor:

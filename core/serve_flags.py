@@ -477,15 +477,15 @@ FLAGS: tuple[ServeFlag, ...] = (
     _alias(
         ("--data-parallel-size", "-dp"),
         "router.data_parallel_size",
-        "engine replicas behind the router station, each in its own process with its share of "
-        "the cores (docs/distributed.md)",
+        "engine replicas behind the router station, each in its own process (or Ray actor, with "
+        "--distributed-executor-backend ray) with its share of the cores (docs/distributed.md)",
         parse=_rank_count,
         metavar="N",
     ),
     _alias(
         "--distributed-executor-backend",
         "executor.distributed_executor_backend",
-        "where tensor-parallel ranks and generate's replicas run: mp (processes on this "
+        "where tensor-parallel ranks and the data-parallel replicas run: mp (processes on this "
         "machine; vLLM's uni means the same here) or ray (actors on a Ray cluster); vLLM's "
         "external_launcher is refused",
         parse=_executor_backend,

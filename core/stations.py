@@ -199,8 +199,9 @@ class RouterSettings:
     data_parallel_size: int = option(
         1,
         help="engine replicas, each with its own scheduler and KV cache, behind the router: "
-        "brigade generate runs each in its own process; brigade bench simulates them with the "
-        "simulated executor",
+        "brigade generate and brigade serve run each in its own process (a Ray actor with "
+        '[executor] distributed_executor_backend = "ray"); brigade bench simulates them with '
+        "the simulated executor",
         ge=1,
     )
 

@@ -11,22 +11,23 @@ Admission runs here on :class:`EngineInfo` alone (``check_request``), so a bad r
 400 without a round trip; the grammar compiles in the engine process and an invalid one is
 the request's first update (``RequestError`` -> 400).
 
-The engine's death is seen within a second: its process id is watched through a pidfd
-(readable when the process exits, whoever its parent is); an :class:`EngineFailed` message
-says why when the engine died on its own terms. Every stream then ends with
-``EngineDeadError``, :attr:`dead` is set and ``on_dead`` is called.
+The engine's death is seen within a second: an engine on this machine (an ``ipc://``
+address) through a pidfd on its process id (readable when the process exits, whoever its
+parent is); a remote one (a Ray actor at a ``tcp://`` address, reached over CURVE with the
+run's keys) through its connection (``brigade.server.engine_link``). An
+:class:`EngineFailed` message says why when the engine died on its own terms. Every stream
+then ends with ``EngineDeadError``, :attr:`dead` is set and ``on_dead`` is called.
 
 A hung engine (alive, but stuck in one step) is made a dead one: when nothing has come from
 it for ``[server] engine_step_timeout_s`` (``brigade.server.liveness``), this front end kills
 it with SIGKILL, so every front end and the supervisor see it die as above; the reason names
-the silence and the key.
+the silence and the key. A remote engine cannot be killed from here: it leaves rotation.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 from collections.abc import Callable, Mapping, Sequence
 
 import zmq
@@ -38,12 +39,18 @@ from brigade.errors import EngineDeadError, RequestError
 from brigade.interfaces import ExtraValue, PoolingParams, Request, RequestStatus, SamplingParams
 from brigade.sampling_stage import TokenLogprob
 from brigade.server import engine_protocol as wire
-from brigade.server.liveness import ProcessWatch, open_pidfd, process_alive
+from brigade.server.engine_link import (
+    ConnectionWatch,
+    FrontendKeys,
+    secure_frontend_socket,
+    wait_for_engine,
+    watch_engine,
+)
+from brigade.server.liveness import ProcessWatch
 from brigade.server.request_streams import RequestStreams
 
 __all__ = ["EngineClient"]
 
-_PROBE_POLL_MS = 200
 _LINGER_MS = 500
 """At shutdown, how long a last message (Goodbye) may take to leave."""
 
@@ -61,82 +68,67 @@ class EngineClient(RequestStreams):
         max_waiting_requests: int,
         step_timeout_s: float = 0.0,
         on_dead: Callable[[str], None] | None = None,
+        keys: FrontendKeys | None = None,
     ) -> None:
         super().__init__(max_waiting_requests=max_waiting_requests, on_dead=on_dead)
         self.info = info
         self.address = address
         self.frontend = frontend
+        self.keys = keys
         self.snapshot: EngineStats = stats
         """Engine counters as of the latest step message (read by /health and /metrics)."""
         self._streams: dict[str, tuple[Request, asyncio.Queue[StepUpdate | BaseException]]] = {}
         self._context: zmq.asyncio.Context | None = None
         self._socket: zmq.asyncio.Socket | None = None
         self._receiver: asyncio.Task[None] | None = None
-        self._watch = ProcessWatch(info.pid, step_timeout_s, self._die, pending=self._unread)
+        self._step_timeout_s = step_timeout_s
+        self._watch: ProcessWatch | ConnectionWatch | None = None
 
     @classmethod
     def connect(
         cls,
         address: str,
-        engine_pid: int,
+        engine_pid: int | None,
         *,
         frontend: int,
         max_waiting_requests: int,
         step_timeout_s: float = 0.0,
+        keys: FrontendKeys | None = None,
     ) -> EngineClient:
-        """Wait until the engine at ``address`` is ready (it may be loading its model); raise
-        ``EngineDeadError`` if its process ``engine_pid`` exits first. ``step_timeout_s``:
-        once started, kill the engine when it sends nothing for this long (0: never)."""
-        context = zmq.Context()
-        probe = context.socket(zmq.DEALER)
-        probe.setsockopt(zmq.LINGER, 0)
-        pidfd = open_pidfd(engine_pid)
-        try:
-            probe.connect(address)
-            probe.send(wire.encode(wire.Hello(frontend=-1)))
-            poller = zmq.Poller()
-            poller.register(probe, zmq.POLLIN)
-            if pidfd is not None:
-                poller.register(pidfd, zmq.POLLIN)
-            while True:
-                events = dict(poller.poll(_PROBE_POLL_MS))
-                if probe in events:
-                    reply = wire.decode_from_engine(probe.recv())
-                    if isinstance(reply, wire.Ready):
-                        return cls(
-                            reply.info,
-                            reply.stats,
-                            address,
-                            frontend=frontend,
-                            max_waiting_requests=max_waiting_requests,
-                            step_timeout_s=step_timeout_s,
-                        )
-                if (pidfd is not None and pidfd in events) or not process_alive(engine_pid):
-                    raise EngineDeadError(
-                        f"the engine process (pid {engine_pid}) exited while starting; its "
-                        "output above says why"
-                    )
-        finally:
-            if pidfd is not None:
-                os.close(pidfd)
-            probe.close()
-            context.term()
+        """Wait until the engine at ``address`` is ready (``wait_for_engine``: ``engine_pid``
+        None for a remote one, ``keys`` to reach it over CURVE). ``step_timeout_s``: once
+        started, give the engine up when it sends nothing for this long (0: never)."""
+        ready = wait_for_engine(address, engine_pid, keys)
+        return cls(
+            ready.info,
+            ready.stats,
+            address,
+            frontend=frontend,
+            max_waiting_requests=max_waiting_requests,
+            step_timeout_s=step_timeout_s,
+            keys=keys,
+        )
 
     # -- event-loop side ----------------------------------------------------------------
 
     async def start(self) -> None:
-        """Open the request socket and watch the engine process (on the server's loop)."""
+        """Open the request socket and watch the engine (on the server's loop)."""
         loop = asyncio.get_running_loop()
         self._context = zmq.asyncio.Context()
         socket = self._context.socket(zmq.DEALER)
         socket.setsockopt(zmq.SNDHWM, 0)
         socket.setsockopt(zmq.RCVHWM, 0)
         socket.setsockopt(zmq.LINGER, _LINGER_MS)
+        if self.keys is not None:
+            secure_frontend_socket(socket, self.keys)
+        # Before connecting, so that no event of the connection is missed.
+        self._watch = watch_engine(
+            self.address, self.info.pid, self._step_timeout_s, self._die, socket, self._unread
+        )
         socket.connect(self.address)
         self._socket = socket
         self._send(wire.Hello(frontend=self.frontend))
         self._receiver = loop.create_task(self._receive())
-        self._watch.start()
 
     def admit(
         self,
@@ -211,7 +203,8 @@ class EngineClient(RequestStreams):
         """Say goodbye (the engine aborts this front end's requests) and close the socket;
         the supervisor stops the engine once every front end has left."""
         self._stopped = True
-        self._watch.close()  # its event loop has closed, with its reader
+        if self._watch is not None:
+            self._watch.close()  # its event loop has closed, with its reader
         if self._socket is None or self._context is None:
             return
         # The event loop has stopped: send through a blocking shadow of the same socket.
@@ -236,7 +229,8 @@ class EngineClient(RequestStreams):
                 data = await socket.recv()
             except (zmq.ZMQError, asyncio.CancelledError):
                 return
-            self._watch.heard()
+            if self._watch is not None:
+                self._watch.heard()
             message = wire.decode_from_engine(data)
             if isinstance(message, wire.EngineFailed):
                 self._die(f"the engine failed: {message.reason}")

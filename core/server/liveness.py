@@ -2,14 +2,15 @@
 
 An engine shows it is alive by what it does between steps: the engine process sends every
 front end a message after each step and, when idle, about every 0.1 s (its counters; see
-``brigade.server.engine_process``), and the engine thread of thread mode marks each turn of
+``brigade.server.engine_loop``), and the engine thread of thread mode marks each turn of
 its loop. A step that never returns (a plugin in an endless loop, a deadlocked kernel) means
 silence, while the process or thread stays alive. :class:`Watchdog` runs on the server's
 event loop and calls ``on_hung`` once when nothing was heard for its timeout; its owner
 decides what that means. A front end's :class:`ProcessWatch` kills the engine process, so
 that the usual death path runs in every process (each front end's pidfd fires, the
 supervisor sees the exit); ``AsyncEngine``, which cannot stop a thread, declares the engine
-dead.
+dead; a remote engine (a Ray actor) is watched through its connection instead
+(``brigade.server.tcp_link.ConnectionWatch``).
 """
 
 from __future__ import annotations

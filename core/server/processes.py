@@ -3,7 +3,9 @@
 The process started by ``brigade serve`` binds the port, then supervises (it serves no HTTP):
 
 - one engine process (``brigade.server.engine_process``), the ZMQ ROUTER at an ``ipc://``
-  socket in a private temporary directory;
+  socket in a private temporary directory; with ``[router] data_parallel_size = N``, N of
+  them, or, with ``[executor] distributed_executor_backend = "ray"``, N Ray actors at
+  ``tcp://`` addresses protected with CURVE (``brigade.server.ray_replicas``);
 - ``[server] api_server_count`` front-end processes, each a uvicorn server accepting on the
   inherited listening socket (one port, one accept queue) with an ``EngineClient``. With more
   than one, their metrics meet in a ``metrics`` folder of the run directory, so that every
@@ -13,41 +15,44 @@ All are started with ``multiprocessing``'s spawn method, in their own process gr
 a terminal's Ctrl-C reaches the supervisor alone, which forwards SIGINT/SIGTERM to the front
 ends (first signal: drain, second: stop at once, as in ``brigade.server.lifecycle``), then
 stops the engine once every front end has left. A front end notices the engine's death
-itself (pidfd) and exits with ``EXIT_ENGINE_DEAD`` after answering 503 for a moment; a front
-end that exits unexpectedly makes the supervisor stop the others. Engine and front ends exit
-on their own when the supervisor disappears. The supervisor's exit status is the worst of
-its children's (1 when the engine or a front end died).
+itself (pidfd; a Ray actor's through its connection) and exits with ``EXIT_ENGINE_DEAD``
+after answering 503 for a moment; a front end that exits unexpectedly makes the supervisor
+stop the others. Engine and front ends exit on their own when the supervisor disappears (Ray
+kills the actors of a driver that is gone). The supervisor's exit status is the worst of its
+children's (1 when the engine or a front end died).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import multiprocessing
 import multiprocessing.connection
 import os
 import shutil
 import signal
 import socket
-import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from multiprocessing.process import BaseProcess
-from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import structlog
 
-from brigade.server.engine_process import remove_from_run_dir, run_engine_process, watch_parent
+from brigade.errors import EngineDeadError
+from brigade.ray_actors import replicas_on_ray
+from brigade.server.engine_process import run_engine_process
+from brigade.server.frontend_process import run_frontend_process
 from brigade.server.lifecycle import DEAD_LINGER_S, EXIT_ENGINE_DEAD, EXIT_OK, EXIT_STARTUP_ERROR
 from brigade.server.metrics import MULTIPROCESS_ENV, forget_process
 
 if TYPE_CHECKING:
     from brigade.config import EngineConfig
-    from brigade.server.request_streams import RequestStreams
+    from brigade.server.engine_link import FrontendKeys
 
-__all__ = ["run_frontend_process", "supervise"]
+__all__ = ["supervise"]
 
 log = structlog.get_logger("brigade.server")
 
@@ -56,64 +61,151 @@ STOP_ENGINE_S = 10.0
 FRONTEND_EXIT_S = DEAD_LINGER_S + 10.0
 """With the engine dead, how long the front ends may take to exit before SIGKILL."""
 _WAIT_S = 0.5
+_SPAWN = multiprocessing.get_context("spawn")
+
+
+class EngineHandle(Protocol):
+    """What the supervisor reads of an engine replica: a local process (``BaseProcess``) or
+    a Ray actor's handle (``brigade.server.ray_replicas.ActorEngine``)."""
+
+    @property
+    def pid(self) -> int | None: ...
+    @property
+    def exitcode(self) -> int | None: ...
+    @property
+    def sentinel(self) -> int | None:
+        """A descriptor ready when the engine exits; None: poll :attr:`exitcode`."""
+
+    def terminate(self) -> None: ...
+    def join(self, timeout: float | None = None) -> None: ...
+    def kill(self) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Replicas:
+    """The started engines and how front ends reach them, in replica order."""
+
+    engines: Sequence[EngineHandle]
+    addresses: list[str]
+    pids: list[int | None]
+    """Each engine's process id when it runs on this machine (watched through a pidfd)."""
+    keys: FrontendKeys | None = None
+    """The front ends' CURVE keys, for engines at ``tcp://`` addresses."""
 
 
 def supervise(
     config_path: str | None, overrides: list[str], config: EngineConfig, sock: socket.socket
 ) -> int:
     """Start the engine(s) and the front ends on ``sock``; wait for them; the exit status.
-    With ``[router] data_parallel_size = N`` there are N engine processes (replicas), and
-    every front end routes over all of them."""
+    With ``[router] data_parallel_size = N`` there are N engines (replicas), and every front
+    end routes over all of them."""
     settings = config["server"].settings
-    num_replicas = config["router"].settings.data_parallel_size
-    context = multiprocessing.get_context("spawn")
     rundir = tempfile.mkdtemp(prefix="brigade-")
-    addresses = [f"ipc://{rundir}/engine-{replica}" for replica in range(num_replicas)]
     metrics_dir = None  # one front end: its own registry is the server's
     if settings.api_server_count > 1:
         metrics_dir = os.path.join(rundir, "metrics")
         os.mkdir(metrics_dir)
-    me = os.getpid()
-    engines: list[BaseProcess] = [
-        context.Process(
+    try:
+        with (
+            _start_engines(config_path, overrides, config, rundir) as replicas,
+            _start_frontends(
+                config_path, overrides, sock, settings.api_server_count, replicas, metrics_dir
+            ) as frontends,
+        ):
+            log.info(
+                "processes_started",
+                engine_pids=[engine.pid for engine in replicas.engines],
+                frontend_pids=[p.pid for p in frontends],
+                addresses=replicas.addresses,
+                metrics_dir=metrics_dir,
+            )
+            return Supervisor(replicas.engines, frontends, metrics_dir).run()
+    except EngineDeadError as exc:  # a replica's Ray actor died while it loaded
+        log.critical("engine_dead", reason=str(exc), exit_code=EXIT_ENGINE_DEAD)
+        return EXIT_ENGINE_DEAD
+    except KeyboardInterrupt:  # Ctrl-C while Ray actors load (the replicas are gone by now)
+        log.info("server_stopped", exit_code=128 + signal.SIGINT)
+        return 128 + signal.SIGINT
+    finally:
+        shutil.rmtree(rundir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _start_engines(
+    config_path: str | None, overrides: list[str], config: EngineConfig, rundir: str
+) -> Iterator[Replicas]:
+    """The replicas, started: Ray actors with ``-dp N > 1`` on the ray backend (loaded
+    before this yields), else engine processes (still loading); stopped for good on leaving
+    (the supervisor has stopped them in order unless something failed)."""
+    num_replicas = config["router"].settings.data_parallel_size
+    if num_replicas > 1 and replicas_on_ray(config):
+        from brigade.server.engine_link import generate_keys
+        from brigade.server.ray_replicas import actor_engines
+
+        engine_keys, frontend_keys = generate_keys()
+        with actor_engines(config_path, overrides, num_replicas, engine_keys) as actors:
+            addresses = [actor.endpoint.address for actor in actors]
+            yield Replicas(actors, addresses, [None] * num_replicas, frontend_keys)
+        return
+    addresses = [f"ipc://{rundir}/engine-{replica}" for replica in range(num_replicas)]
+    engines = [
+        _SPAWN.Process(
             target=run_engine_process,
-            args=(config_path, overrides, address, me),
+            args=(config_path, overrides, address, os.getpid()),
             kwargs={"replica": replica, "num_replicas": num_replicas},
             name="brigade-engine" if num_replicas == 1 else f"brigade-engine-{replica}",
         )
         for replica, address in enumerate(addresses)
     ]
-    frontends: list[BaseProcess] = []
     try:
         for engine in engines:
             engine.start()
-        pids = [engine.pid for engine in engines]
+        yield Replicas(engines, addresses, [engine.pid for engine in engines])
+    finally:
+        for engine in engines:
+            if engine.is_alive():
+                engine.kill()
+                engine.join()
+
+
+@contextlib.contextmanager
+def _start_frontends(
+    config_path: str | None,
+    overrides: list[str],
+    sock: socket.socket,
+    count: int,
+    replicas: Replicas,
+    metrics_dir: str | None,
+) -> Iterator[list[BaseProcess]]:
+    """``count`` front ends on ``sock`` (closed here: they hold their own
+    copies), reaching ``replicas``; any still running on leaving is killed (only after a
+    failure in the supervisor itself)."""
+    frontends: list[BaseProcess] = []
+    try:
         # Spawn copies this environment as each front end starts, before it imports anything
         # (one front end: the variable unset, whatever the supervisor's environment says).
         with _environment(MULTIPROCESS_ENV, metrics_dir):
-            for index in range(settings.api_server_count):
-                frontend = context.Process(
+            for index in range(count):
+                frontend = _SPAWN.Process(
                     target=run_frontend_process,
-                    args=(config_path, overrides, index, sock, addresses, pids, me, metrics_dir),
+                    args=(config_path, overrides, index, sock, replicas.addresses),
+                    kwargs={
+                        "engine_pids": replicas.pids,
+                        "parent_pid": os.getpid(),
+                        "metrics_dir": metrics_dir,
+                        "keys": replicas.keys,
+                    },
                     name=f"brigade-frontend-{index}",
                 )
                 frontend.start()
                 frontends.append(frontend)
-        sock.close()  # the front ends hold their own copies
-        log.info(
-            "processes_started",
-            engine_pids=pids,
-            frontend_pids=[p.pid for p in frontends],
-            addresses=addresses,
-            metrics_dir=metrics_dir,
-        )
-        return Supervisor(engines, frontends, metrics_dir).run()
+        sock.close()
+        yield frontends
     finally:
-        for process in [*frontends, *engines]:
-            if process.is_alive():  # only after a failure in this function itself
+        for process in frontends:
+            if process.is_alive():
                 process.kill()
                 process.join()
-        shutil.rmtree(rundir, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -138,7 +230,7 @@ class Supervisor:
 
     def __init__(
         self,
-        engines: list[BaseProcess],
+        engines: Sequence[EngineHandle],
         frontends: list[BaseProcess],
         metrics_dir: str | None = None,
     ) -> None:
@@ -171,9 +263,14 @@ class Supervisor:
     def _wait_for_frontends(self) -> None:
         engines_seen: set[int] = set()
         reported: set[int] = set()
-        while any(p.exitcode is None for p in self.frontends):
-            sentinels = [p.sentinel for p in self.frontends if p.exitcode is None]
-            sentinels += [p.sentinel for p in self.engines if p.exitcode is None]
+        # Until every front end's exit is reported, not until each has exited: a sentinel is
+        # ready a moment before its process can be reaped, and a last exit seen only by the
+        # loop's condition would go unreported (its status lost).
+        while len(reported) < len(self.frontends):
+            sentinels = [p.sentinel for i, p in enumerate(self.frontends) if i not in reported]
+            sentinels += [
+                e.sentinel for e in self.engines if e.exitcode is None and e.sentinel is not None
+            ]
             multiprocessing.connection.wait(sentinels, timeout=_WAIT_S)
             for replica, engine in enumerate(self.engines):
                 if engine.exitcode is not None and replica not in engines_seen:
@@ -194,7 +291,7 @@ class Supervisor:
     def _engines_dead(self) -> bool:
         return all(engine.exitcode is not None for engine in self.engines)
 
-    def _engine_exited(self, replica: int, engine: BaseProcess) -> None:
+    def _engine_exited(self, replica: int, engine: EngineHandle) -> None:
         code = engine.exitcode
         if self._stopping and code == 0:
             return
@@ -234,71 +331,3 @@ class Supervisor:
                 log.error("engine_killed", pid=engine.pid)
                 engine.kill()
                 engine.join()
-
-
-def run_frontend_process(
-    config_path: str | None,
-    overrides: list[str],
-    index: int,
-    sock: socket.socket,
-    addresses: list[str],
-    engine_pids: list[int],
-    parent_pid: int,
-    metrics_dir: str | None = None,
-) -> None:
-    """A front end's entry (``multiprocessing`` spawn target): HTTP on ``sock``, requests to
-    the engine at ``addresses[0]``, or routed over the replicas at ``addresses``; its metrics
-    shared with the other front ends in ``metrics_dir``, which the supervisor put in this
-    process's environment (``brigade.server.metrics``)."""
-    os.setpgrp()  # signals come from the supervisor, not from the terminal
-    if metrics_dir is None:
-        watch_parent(parent_pid)
-    else:  # what the supervisor would have removed
-        watch_parent(parent_pid, leave=lambda: remove_from_run_dir(Path(metrics_dir)))
-    from brigade.assemble import open_model
-    from brigade.config import load_config
-    from brigade.errors import BrigadeError, EngineDeadError
-    from brigade.models.checkpoint import require_tokenizer
-    from brigade.registry import default_registry
-    from brigade.server.engine_client import EngineClient
-    from brigade.server.logs import configure_logging
-    from brigade.server.serve import frontend_state, run_http
-
-    configure_logging()
-    structlog.contextvars.bind_contextvars(frontend=index)
-    try:
-        registry = default_registry()
-        config = load_config(config_path, registry, overrides=overrides)
-        settings = config["server"].settings
-        checkpoint = open_model(config)
-        require_tokenizer(checkpoint)  # read while the engine loads its weights
-    except BrigadeError as exc:  # the engine says the same; one line each is enough
-        print(f"brigade: error: {exc}", file=sys.stderr, flush=True)
-        sys.exit(EXIT_STARTUP_ERROR)
-    try:
-        clients = [
-            EngineClient.connect(
-                address,
-                engine_pid,
-                frontend=index,
-                max_waiting_requests=settings.max_waiting_requests,
-                step_timeout_s=settings.engine_step_timeout_s,
-            )
-            for address, engine_pid in zip(addresses, engine_pids, strict=True)
-        ]
-    except EngineDeadError as exc:
-        log.critical("engine_dead", reason=str(exc), exit_code=EXIT_ENGINE_DEAD)
-        sys.exit(EXIT_ENGINE_DEAD)
-    streams: RequestStreams = clients[0]
-    if len(clients) > 1:
-        from brigade.interfaces import RouterParams
-        from brigade.server.data_parallel import ReplicatedEngine
-
-        info = clients[0].info
-        component = registry.get("router", config.plugin("router") or "round-robin")
-        router = component.factory(
-            RouterParams(len(clients), info.page_size, info.num_pages), config["router"].options
-        )
-        streams = ReplicatedEngine(clients, router)  # type: ignore[assignment]
-    state = frontend_state(config, registry, streams, checkpoint, metrics_dir=metrics_dir)
-    sys.exit(run_http(state, config, sock, announce=index == 0))

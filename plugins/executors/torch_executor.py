@@ -118,9 +118,9 @@ class TorchExecutorOptions:
     distributed_executor_backend: str = option(
         "mp",
         help="where ranks 1..N-1 of tensor_parallel_size (and the replicas of brigade generate "
-        "--data-parallel-size) run: mp = processes on this machine; ray = Ray actors in a "
-        "placement group on the cluster RAY_ADDRESS names (else a local one); needs the ray "
-        "extra (docs/distributed.md)",
+        "and brigade serve --data-parallel-size) run: mp = processes on this machine; ray = Ray "
+        "actors in a placement group on the cluster RAY_ADDRESS names (else a local one); needs "
+        "the ray extra (docs/distributed.md)",
         choices=("mp", "ray"),
     )
 

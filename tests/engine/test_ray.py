@@ -5,43 +5,26 @@ actor or placement group is left behind."""
 from __future__ import annotations
 
 import multiprocessing
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import ray
-from ray.cluster_utils import Cluster
 
 from brigade import LLM, SamplingParams
 from brigade.offline_replicas import generate_on_replicas
 from tests.engine_helpers import assert_same_greedy, make_llm, prompts, run
+from tests.ray_helpers import assert_nothing_left, two_node_cluster
 from tests.server_harness import tiny_model
 
 GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
 PROMPTS = ["one", "two three", "four five six", "seven"]
-NODE_MEMORY = {"object_store_memory": 80 * 1024 * 1024}
 
 
 @pytest.fixture(scope="module")
 def cluster_address() -> Iterator[str]:
-    saved = {
-        key: os.environ.get(key) for key in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
-    }
-    # Every Ray process on loopback (Ray's single-machine mode), as the test machines require.
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, **NODE_MEMORY})
-    cluster.add_node(num_cpus=1, **NODE_MEMORY)
-    os.environ["RAY_ADDRESS"] = cluster.address
-    try:
-        yield cluster.address
-    finally:
-        cluster.shutdown()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    with two_node_cluster() as address:
+        yield address
 
 
 def test_replicas_run_as_actors_one_per_node_and_leave_nothing_behind(
@@ -90,14 +73,3 @@ def test_a_tensor_parallel_rank_runs_as_an_actor_and_leaves_nothing_behind(
         llm.engine.executor.shutdown()
     assert not ray.is_initialized(), "the launcher left its Ray connection open"
     assert_nothing_left(cluster_address)
-
-
-def assert_nothing_left(address: str) -> None:
-    ray.init(address=address)
-    try:
-        alive = [a for a in ray._private.state.actors().values() if a["State"] != "DEAD"]
-        groups = ray.util.placement_group_table()
-        assert alive == [], f"actors left behind: {alive}"
-        assert all(g["state"] == "REMOVED" for g in groups.values()), groups
-    finally:
-        ray.shutdown()
