@@ -4,8 +4,9 @@
 // dense copy and no mask tensor is built.
 //
 // A task is a block of up to kQueryBlock query tokens of one row and one KV head: its
-// rows are (token, query head of that KV head) pairs. Keys are taken kKeyBlock at a time and
-// transposed once into a float buffer [head_dim][keys], shared by every row of the task; then
+// rows are (token, query head of that KV head) pairs. Keys are taken kKeyBlock at a time (blocks
+// aligned to multiples of kKeyBlock positions), each block transposed into float [head_dim][keys]
+// once per call, before the tasks, and shared by every task of its row and KV head; then
 // R rows at a time score kLanes keys per vector (head_dim broadcast FMAs, no horizontal sums),
 // fold them into a running softmax (flash attention's rescaling), and add the weighted values
 // with the rows' sums held in registers. Tasks run on the threads by a shared counter, the
@@ -32,6 +33,7 @@
 #include <atomic>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -75,17 +77,48 @@ struct Task {
 
 // Per-thread buffers, sized for the largest task.
 struct Scratch {
-  std::vector<float> query, sums, maxima, totals, keys, weights;
+  std::vector<float> query, sums, maxima, totals, weights;
   std::vector<int64_t> slots;
   Scratch(int64_t rows, int64_t head_dim, int64_t r)
       : query(rows * head_dim), sums(rows * head_dim), maxima(rows), totals(rows),
-        keys(head_dim * kKeyStride), weights(r * kVectors * kLanes), slots(kKeyBlock) {}
+        weights(r * kVectors * kLanes), slots(kKeyBlock) {}
 };
+
+// Every chunk's key blocks, per KV head, transposed: block b (positions [b * kKeyBlock, (b + 1)
+// * kKeyBlock)) of chunk c and KV head h is floats [head_dim][kKeyStride] at
+// at(c, b, h); chunk c holds blocks [first[c], first[c] + count[c]), those its tasks read.
+// Positions past the chunk's sequence are zeros.
+struct KeyBlocks {
+  std::vector<int64_t> first, count, base;  // per chunk; base: its first block's index
+  std::unique_ptr<float[]> data;            // written whole by transpose_block
+  int64_t kv_heads = 0, block_floats = 0;
+
+  float* at(int64_t chunk, int64_t block, int64_t kv_head) const {
+    return data.get() + ((base[chunk] + block - first[chunk]) * kv_heads + kv_head) * block_floats;
+  }
+};
+
+// Block `block` of one row's keys of one KV head -> keys [head_dim][kKeyStride] (float).
+template <typename Cache>
+void transpose_block(const Cache* key_cache, const int64_t* pages, const Geometry& geo,
+                     int64_t kv_head, int64_t block, int64_t seq_len, float* keys) {
+  const int64_t head_dim = geo.head_dim, start = block * kKeyBlock;
+  const int64_t n = std::max<int64_t>(0, std::min(kKeyBlock, seq_len - start));
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t position = start + j;
+    const Cache* key = key_cache + pages[position / geo.page_size] * geo.page_stride +
+                       (position % geo.page_size) * geo.token_stride + kv_head * head_dim;
+    for (int64_t e = 0; e < head_dim; ++e) keys[e * kKeyStride + j] = to_float(key[e]);
+  }
+  for (int64_t e = 0; e < head_dim; ++e) {
+    std::fill(keys + e * kKeyStride + n, keys + (e + 1) * kKeyStride, 0.0f);
+  }
+}
 
 // One task. C = head_dim / kLanes vectors per head, R rows at a time.
 template <int C, int R, typename Query, typename Cache>
 void attend_task(const Task& task, const Query* query, Query* out, int64_t out_first,
-                 const Cache* key_cache, const Cache* value_cache, const int64_t* pages,
+                 const KeyBlocks& key_blocks, const Cache* value_cache, const int64_t* pages,
                  const Geometry& geo, Scratch& scratch) {
   constexpr int64_t head_dim = C * kLanes;
   const int64_t group = geo.group, rows = task.count * group;
@@ -107,21 +140,17 @@ void attend_task(const Task& task, const Query* query, Query* out, int64_t out_f
   const int64_t last = task.position + task.count;  // keys [first, last)
   const int64_t first = geo.window > 0 ? std::max<int64_t>(0, task.position - geo.window + 1) : 0;
   const int64_t head_offset = task.kv_head * head_dim;
-  for (int64_t block = first; block < last; block += kKeyBlock) {
+  for (int64_t block = first / kKeyBlock * kKeyBlock; block < last; block += kKeyBlock) {
     const int64_t n = std::min(kKeyBlock, last - block);
     const int64_t padded = (n + kVectors * kLanes - 1) / (kVectors * kLanes) * (kVectors * kLanes);
-    // The block's slots, and its keys transposed: keys[e * kKeyStride + j] = key(block + j)[e].
-    float* keys = scratch.keys.data();
+    // The block's keys, transposed (keys[e * kKeyStride + j] = key(block + j)[e]; keys past
+    // this task's last are masked below), and its values' slots.
+    const float* keys = key_blocks.at(task.chunk, block / kKeyBlock, task.kv_head);
     int64_t* slots = scratch.slots.data();
     for (int64_t j = 0; j < n; ++j) {
       const int64_t position = block + j;
       slots[j] = pages[position / geo.page_size] * geo.page_stride +
                  (position % geo.page_size) * geo.token_stride + head_offset;
-      const Cache* key = key_cache + slots[j];
-      for (int64_t e = 0; e < head_dim; ++e) keys[e * kKeyStride + j] = to_float(key[e]);
-    }
-    for (int64_t j = n; j < padded; ++j) {
-      for (int64_t e = 0; e < head_dim; ++e) keys[e * kKeyStride + j] = 0.0f;
     }
     for (int64_t r0 = 0; r0 < rows; r0 += R) {
       // Rows past the task's end read its last row and see no keys: nothing of theirs is kept.
@@ -214,8 +243,8 @@ void attend_task(const Task& task, const Query* query, Query* out, int64_t out_f
 }
 
 template <typename Query, typename Cache>
-using TaskFn = void (*)(const Task&, const Query*, Query*, int64_t, const Cache*, const Cache*,
-                        const int64_t*, const Geometry&, Scratch&);
+using TaskFn = void (*)(const Task&, const Query*, Query*, int64_t, const KeyBlocks&,
+                        const Cache*, const int64_t*, const Geometry&, Scratch&);
 
 template <typename Query, typename Cache>
 TaskFn<Query, Cache> task_fn_for(int64_t head_dim) {
@@ -237,8 +266,8 @@ TaskFn<Query, Cache> task_fn_for(int64_t head_dim) {
 
 template <typename Query, typename Cache>
 void prefill(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
-             const at::Tensor& block_tables, const std::vector<Task>& tasks, int64_t out_first,
-             at::Tensor& out, const Geometry& geo) {
+             const at::Tensor& block_tables, const int64_t* chunks, const std::vector<Task>& tasks,
+             KeyBlocks& key_blocks, int64_t out_first, at::Tensor& out, const Geometry& geo) {
   const TaskFn<Query, Cache> fn = task_fn_for<Query, Cache>(geo.head_dim);
   TORCH_CHECK(fn != nullptr, "paged_prefill: head_dim ", geo.head_dim,
               " is neither a multiple of ", kLanes, " up to ", 8 * kLanes, " nor 128");
@@ -248,12 +277,30 @@ void prefill(const at::Tensor& query, const at::Tensor& key_cache, const at::Ten
   Query* o = out.data_ptr<Query>();
   const Cache* keys = key_cache.data_ptr<Cache>();
   const Cache* values = value_cache.data_ptr<Cache>();
+  // First every key block of every chunk and KV head, transposed once for all its tasks.
+  const int64_t num_chunks = static_cast<int64_t>(key_blocks.first.size());
+  const int64_t kv_heads = key_blocks.kv_heads;
+  std::vector<int64_t> block_chunk;  // the chunk of each block, by index
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    block_chunk.insert(block_chunk.end(), key_blocks.count[c], c);
+  }
+  const int64_t num_blocks = static_cast<int64_t>(block_chunk.size());
+  at::parallel_for(0, num_blocks * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t c = block_chunk[item / kv_heads], h = item % kv_heads;
+      const int64_t block = item / kv_heads - key_blocks.base[c] + key_blocks.first[c];
+      const int64_t row = chunks[4 * c];
+      transpose_block(keys, tables + row * max_pages, geo, h, block, chunks[4 * c + 3],
+                      key_blocks.at(c, block, h));
+    }
+  });
   brigade_cpu::run_tasks(
       static_cast<int64_t>(tasks.size()),
       [&] { return Scratch(kQueryBlock * geo.group, geo.head_dim, 4); },
       [&](int64_t index, Scratch& scratch) {
         const Task& task = tasks[index];
-        fn(task, q, o, out_first, keys, values, tables + task.row * max_pages, geo, scratch);
+        fn(task, q, o, out_first, key_blocks, values, tables + task.row * max_pages, geo,
+           scratch);
       });
 }
 
@@ -311,11 +358,28 @@ at::Tensor paged_prefill(at::Tensor query, at::Tensor key_cache, at::Tensor valu
     };
     return keys(a) * a.count > keys(b) * b.count;
   });
+  // Each chunk's key blocks: from the block of its first token's first key to its last key's.
+  KeyBlocks key_blocks;
+  key_blocks.kv_heads = num_kv_heads;
+  key_blocks.block_floats = head_dim * kKeyStride;
+  int64_t total_blocks = 0;
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    const int64_t seq_len = spec[4 * c + 3];
+    const int64_t start = seq_len - (spec[4 * c + 2] - spec[4 * c + 1]);  // its first token's
+    const int64_t first_key = window > 0 ? std::max<int64_t>(0, start - window + 1) : 0;
+    const int64_t first = first_key / kKeyBlock, count = (seq_len - 1) / kKeyBlock + 1 - first;
+    key_blocks.first.push_back(first);
+    key_blocks.count.push_back(count);
+    key_blocks.base.push_back(total_blocks);
+    total_blocks += count;
+  }
+  key_blocks.data.reset(new float[total_blocks * num_kv_heads * key_blocks.block_floats]);
   auto out = at::empty({out_end - out_first, num_heads, head_dim}, query.options());
   const auto run = [&](auto query_type, auto cache_type) {
     using Query = decltype(query_type);
     using Cache = decltype(cache_type);
-    prefill<Query, Cache>(query, key_cache, value_cache, block_tables, tasks, out_first, out, geo);
+    prefill<Query, Cache>(query, key_cache, value_cache, block_tables, spec, tasks, key_blocks,
+                          out_first, out, geo);
   };
   const bool bf16_query = query.scalar_type() == at::kBFloat16;
   const bool bf16_cache = key_cache.scalar_type() == at::kBFloat16;
