@@ -10,6 +10,7 @@ what no tensor op accounts for (Python, batch preparation, scheduling), then the
     python benchmarks/step_profile.py --set attention.native_decode=false
     python benchmarks/step_profile.py --set model.dtype=bfloat16
     python benchmarks/step_profile.py --mixed                # the mixed workload, by step kind
+    python benchmarks/step_profile.py --mixed --profile-mixed 2   # and two mixed steps by op
     python benchmarks/step_profile.py --context 448 --shared-prefix 384   # a shared system prompt
 
 ``--mixed`` runs ``benchmarks/peers.py``'s mixed workload (128 requests, prompts 16-512, outputs
@@ -166,8 +167,10 @@ def report(title: str, wall_ms: float, prof: Any, repeats: int, top: int) -> Non
         )
 
 
-def mixed_by_kind(llm: LLM, seed: int) -> None:
-    """peers.py's mixed workload through ``LLM.generate``, the executor's time by step kind."""
+def mixed_by_kind(llm: LLM, seed: int, profiled: int = 0, top: int = 12) -> None:
+    """peers.py's mixed workload through ``LLM.generate``, the executor's time by step kind;
+    with ``profiled``, also the per-op breakdown of that many of its mixed steps (from the
+    fourth on: prefill chunks of later prompts beside running decodes)."""
     from peer_setup import make_workload  # benchmarks/ is this script's directory
 
     workload = make_workload("mixed", llm.engine.vocab_size, seed, 1.0, None, 0)
@@ -176,15 +179,27 @@ def mixed_by_kind(llm: LLM, seed: int) -> None:
     execute = executor.execute
     stats: dict[tuple[str, int], list[float]] = collections.defaultdict(lambda: [0, 0.0, 0, 0])
 
+    profiles: list[tuple[float, int, int, Any]] = []
+    mixed_seen = 0
+
     def timed(step_batch: Any) -> Any:
-        started = time.perf_counter()
-        out = execute(step_batch)
-        elapsed = time.perf_counter() - started
+        nonlocal mixed_seen
         tokens, rows, decodes = (
             step_batch.input_ids.shape[0],
             step_batch.num_reqs,
             step_batch.num_decodes,
         )
+        mixed_seen += 0 < decodes < tokens
+        if 0 < decodes < tokens and 4 <= mixed_seen < 4 + profiled:
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                started = time.perf_counter()
+                out = execute(step_batch)
+                elapsed = time.perf_counter() - started
+            profiles.append((elapsed * 1e3, tokens, decodes, prof))
+        else:
+            started = time.perf_counter()
+            out = execute(step_batch)
+            elapsed = time.perf_counter() - started
         if tokens == decodes:
             key = ("decode steps, rows", min(rows // 32 * 32, 96))
         else:
@@ -222,6 +237,8 @@ def mixed_by_kind(llm: LLM, seed: int) -> None:
             f"  {1e3 * elapsed / count:7.1f} ms/step, {tokens / count:5.0f} tokens,"
             f" {num_rows / count:4.0f} rows per step"
         )
+    for wall_ms, tokens, decodes, prof in profiles:
+        report(f"mixed step of {tokens} tokens ({decodes} decodes)", wall_ms, prof, 1, top)
 
 
 def main() -> None:
@@ -239,6 +256,13 @@ def main() -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="the mixed workload's seed")
     parser.add_argument(
+        "--profile-mixed",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --mixed: the per-op breakdown of N of its mixed steps",
+    )
+    parser.add_argument(
         "--shared-prefix",
         type=int,
         default=0,
@@ -252,7 +276,7 @@ def main() -> None:
     print(f"{cpu_flags()}; torch {torch.__version__}, {args.threads} threads, {dtype}")
     print(f"model {llm.engine.checkpoint.name}; settings {args.set or 'defaults'}")
     if args.mixed:
-        mixed_by_kind(llm, args.seed)
+        mixed_by_kind(llm, args.seed, args.profile_mixed, args.top)
         return
 
     step = decode_steps(llm, args.batch, args.context, args.repeats + 2, args.shared_prefix)
