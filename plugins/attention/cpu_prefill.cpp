@@ -33,7 +33,6 @@
 #include <atomic>
 #include <cstdint>
 #include <limits>
-#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -90,11 +89,11 @@ struct Scratch {
 // Positions past the chunk's sequence are zeros.
 struct KeyBlocks {
   std::vector<int64_t> first, count, base;  // per chunk; base: its first block's index
-  std::unique_ptr<float[]> data;            // written whole by transpose_block
+  float* data = nullptr;                    // written whole by transpose_block
   int64_t kv_heads = 0, block_floats = 0;
 
   float* at(int64_t chunk, int64_t block, int64_t kv_head) const {
-    return data.get() + ((base[chunk] + block - first[chunk]) * kv_heads + kv_head) * block_floats;
+    return data + ((base[chunk] + block - first[chunk]) * kv_heads + kv_head) * block_floats;
   }
 };
 
@@ -373,7 +372,12 @@ at::Tensor paged_prefill(at::Tensor query, at::Tensor key_cache, at::Tensor valu
     key_blocks.base.push_back(total_blocks);
     total_blocks += count;
   }
-  key_blocks.data.reset(new float[total_blocks * num_kv_heads * key_blocks.block_floats]);
+  // One buffer per calling thread, kept from call to call (the layers of a step, the steps),
+  // so that its memory is faulted in once, not on every call; it holds the largest call's.
+  thread_local std::vector<float> transposed;
+  const auto floats = static_cast<size_t>(total_blocks * num_kv_heads * key_blocks.block_floats);
+  if (transposed.size() < floats) transposed.resize(floats);
+  key_blocks.data = transposed.data();
   auto out = at::empty({out_end - out_first, num_heads, head_dim}, query.options());
   const auto run = [&](auto query_type, auto cache_type) {
     using Query = decltype(query_type);
