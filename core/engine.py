@@ -165,9 +165,7 @@ class EngineCore:
         stations = build_stations(
             config,
             registry,
-            self.checkpoint,
             model,
-            self.executor,
             clock=self.clock,
             load_model=functools.partial(self._load_draft_model, registry, model),
         )

@@ -16,7 +16,6 @@ from brigade.grammar import GrammarManager
 from brigade.interfaces import (
     Checkpoint,
     DraftModel,
-    Executor,
     GrammarParams,
     KVManager,
     KVPoolParams,
@@ -67,14 +66,13 @@ class Stations:
 def build_stations(
     config: EngineConfig,
     registry: Registry,
-    checkpoint: Checkpoint,
     model: ModelPath,
-    executor: Executor,
     *,
     clock: Callable[[], float] = time.monotonic,
     load_model: Callable[..., DraftModel],
 ) -> Stations:
     """Everything around the loaded model. ``load_model`` is ``ProposerParams.load_model``."""
+    executor, checkpoint = model.executor, model.checkpoint
     spec = executor.kv_cache_spec()
     settings = config["scheduler"].settings
     # A sequence never outgrows the pool, so a request alone always fits.
