@@ -43,6 +43,8 @@ at::Tensor paged_decode(at::Tensor query, at::Tensor key_cache, at::Tensor value
 // cpu_gemm.cpp
 at::Tensor panel_linear(at::Tensor x, at::Tensor panels, std::optional<at::Tensor> bias,
                         int64_t out_features);
+at::Tensor panel_silu_mul(at::Tensor x, at::Tensor panels, std::optional<at::Tensor> bias,
+                          int64_t width);
 
 namespace {
 
@@ -255,15 +257,18 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
 // dispatches per layer. Per layer l: weights[6l .. 6l+5] = input norm, qkv, o, post-attention
 // norm, gate_up, down; biases[4l .. 4l+3] = qkv, o, gate_up, down (None when absent);
 // windows[l] the sliding window (0: none); gemm how the linear layers run (enum Gemm) and
-// intermediate the MLP's width (the panel GEMM needs each layer's width). Returns the residual
-// stream after the last layer (before the final norm).
+// intermediate the MLP's width (the panel GEMM needs each layer's width); paired_gate_up: the
+// gate_up weights are paired panels (pack_panels(paired=True)), their SiLU-mul done in the
+// GEMM (panel_silu_mul, the same results). Returns the residual stream after the last layer
+// (before the final norm).
 at::Tensor decode_layers(at::Tensor hidden, at::Tensor cos, at::Tensor sin,
                          std::vector<at::Tensor> key_caches, std::vector<at::Tensor> value_caches,
                          at::Tensor slot_mapping, at::Tensor block_tables, at::Tensor seq_lens,
                          std::vector<at::Tensor> weights,
                          c10::List<std::optional<at::Tensor>> biases, std::vector<int64_t> windows,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
-                         double scale, int64_t gemm, bool cascade, int64_t intermediate) {
+                         double scale, int64_t gemm, bool cascade, int64_t intermediate,
+                         bool paired_gate_up) {
   const int64_t num_layers = static_cast<int64_t>(key_caches.size());
   TORCH_CHECK(value_caches.size() == key_caches.size() &&
                   static_cast<int64_t>(weights.size()) == 6 * num_layers &&
@@ -272,6 +277,7 @@ at::Tensor decode_layers(at::Tensor hidden, at::Tensor cos, at::Tensor sin,
               "decode_layers: per-layer lists of mismatched lengths");
   TORCH_CHECK(gemm == kPlain || gemm == kOneDnn || gemm == kPanels,
               "decode_layers: gemm must be 0 (F.linear), 1 (oneDNN) or 2 (panels)");
+  TORCH_CHECK(!paired_gate_up || gemm == kPanels, "decode_layers: paired gate_up needs panels");
   const int64_t tokens = hidden.size(0), hidden_size = hidden.size(1);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   for (int64_t l = 0; l < num_layers; ++l) {
@@ -296,8 +302,10 @@ at::Tensor decode_layers(at::Tensor hidden, at::Tensor cos, at::Tensor sin,
     const at::Tensor delta =
         linear(attention.view({tokens, q_size}), w[2], bias(1), gemm, hidden_size);
     auto [summed, post] = add_rms_norm(hidden, delta, w[3], eps);
-    const at::Tensor gate_up = linear(post, w[4], bias(2), gemm, 2 * intermediate);
-    hidden = at::add(summed, linear(silu_mul(gate_up), w[5], bias(3), gemm, hidden_size));
+    const at::Tensor activated =
+        paired_gate_up ? panel_silu_mul(post, w[4], bias(2), intermediate)
+                       : silu_mul(linear(post, w[4], bias(2), gemm, 2 * intermediate));
+    hidden = at::add(summed, linear(activated, w[5], bias(3), gemm, hidden_size));
   }
   return hidden;
 }

@@ -17,6 +17,10 @@
 // Sums run along k in order, one chain per output: results equal F.linear's within float32
 // rounding, not bit for bit (MKL and oneDNN sum in blocks). bfloat16 is below (tile for
 // Gemm<c10::BFloat16>).
+//
+// A gate_up projection may be packed in pairs of panels (gate columns, then the same up
+// columns): panel_silu_mul then stores silu(gate) * up as each tile finishes, so the
+// projection's output (twice the MLP's width) is never written and read back.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -64,6 +68,10 @@ struct Gemm {
   const T* bias;  // nullptr: none
   T* out;
   int64_t rows, in_features, out_features;
+  // Paired panels (pack_panels(..., paired=true)): panel 2i holds gate columns [i * kLanes,
+  // (i + 1) * kLanes) and panel 2i + 1 the same up columns, and the output is silu(gate) * up,
+  // out_features (the width of each half) wide; bias, if any, is the layer's [gate, up].
+  bool paired = false;
 };
 
 // Cache lines a tile asks the L2 cache to fetch while it runs: the next panels' weights, so
@@ -103,6 +111,53 @@ void store_panel(const Gemm<T>& g, int64_t row, int64_t panel, const Sums& sums)
   }
 }
 
+// Paired panels (panel, panel + 1): rows [row, row + R) of silu(gate) * up, each half's sums
+// (gate(r), up(r)) plus its bias rounded to T first, as panel_linear's output would be before
+// silu_mul (cpu_fused.cpp) reads it, and silu rounded as silu_mul rounds it: the same results.
+template <int R, typename T, typename Gate, typename Up>
+void store_pair(const Gemm<T>& g, int64_t row, int64_t panel, const Gate& gate, const Up& up) {
+  const int64_t column = panel / 2 * kLanes;
+  const int64_t width = std::min<int64_t>(kLanes, g.out_features - column);
+  vecf gate_bias = {}, up_bias = {};
+  if (g.bias != nullptr) {
+    for (int64_t j = 0; j < width; ++j) {
+      gate_bias[j] = static_cast<float>(g.bias[column + j]);
+      up_bias[j] = static_cast<float>(g.bias[g.out_features + column + j]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    T* o = g.out + (row + r) * g.out_features + column;
+    const vecf a = brigade_cpu::round_vec(gate(r) + gate_bias, T{});
+    const vecf b = brigade_cpu::round_vec(up(r) + up_bias, T{});
+    const vecf silu = brigade_cpu::round_vec(a / (1.0f + brigade_cpu::exp_vec(-a)), T{});
+    const vecf result = silu * b;
+    if (width == kLanes) {
+      store_vec(o, result);
+    } else {
+      for (int64_t j = 0; j < width; ++j) o[j] = T(result[j]);
+    }
+  }
+}
+
+// A tile's P panels from `panel` on: each stored as it is, or (paired) by twos as silu * up.
+template <int R, int P, typename T, typename Sums>
+void store_tile(const Gemm<T>& g, int64_t row, int64_t panel, const Sums& sums) {
+  if (g.paired) {  // run_panels gives paired layers tiles of whole pairs only
+    if constexpr (P % 2 == 0) {
+      for (int p = 0; p < P; p += 2) {
+        store_pair<R>(g, row, panel + p, [&](int r) { return sums(r, p); },
+                      [&](int r) { return sums(r, p + 1); });
+      }
+    } else {
+      TORCH_CHECK(false, "panel GEMM: a tile of ", P, " panels cannot hold pairs");
+    }
+    return;
+  }
+  for (int p = 0; p < P; ++p) {
+    store_panel<R>(g, row, panel + p, [&](int r) { return sums(r, p); });
+  }
+}
+
 // Rows [row, row + R) of the output, panels [panel, panel + P).
 template <int R, int P>
 void tile(const Gemm<float>& g, int64_t row, int64_t panel, Ahead ahead) {
@@ -120,9 +175,7 @@ void tile(const Gemm<float>& g, int64_t row, int64_t panel, Ahead ahead) {
       for (int p = 0; p < P; ++p) acc[r][p] += value * weight[p];
     }
   }
-  for (int p = 0; p < P; ++p) {
-    store_panel<R>(g, row, panel + p, [&](int r) { return acc[r][p]; });
-  }
+  store_tile<R, P>(g, row, panel, [&](int r, int p) { return acc[r][p]; });
 }
 
 #if defined(__AVX512BF16__)
@@ -159,13 +212,11 @@ void tile(const Gemm<c10::BFloat16>& g, int64_t row, int64_t panel, Ahead ahead)
   };
   for (int64_t i = 0; i < whole; ++i) step(i, false);
   if (pairs > whole) step(whole, true);
-  for (int p = 0; p < P; ++p) {
-    store_panel<R>(g, row, panel + p, [&](int r) {
-      vecf sums;
-      std::memcpy(&sums, &acc[r][p], sizeof(sums));
-      return sums;
-    });
-  }
+  store_tile<R, P>(g, row, panel, [&](int r, int p) {
+    vecf sums;
+    std::memcpy(&sums, &acc[r][p], sizeof(sums));
+    return sums;
+  });
 }
 #else
 constexpr bool kBfloat16 = false;
@@ -189,17 +240,24 @@ constexpr std::array<std::array<TileFn<T>, kPanels>, sizeof...(R)> tile_table(
 template <typename T>
 constexpr auto kTiles = tile_table<T>(std::make_integer_sequence<int, kRows>{});
 
-// Panels [first, last) for every row, a thread's share.
+// Panels a tile takes at most: kPanels, or (paired) the whole pairs in it.
+template <typename T>
+int64_t group_panels(const Gemm<T>& g) {
+  return g.paired ? kPanels / 2 * 2 : kPanels;
+}
+
+// Panels [first, last) for every row, a thread's share (whole pairs, when paired).
 template <typename T>
 void run_panels(const Gemm<T>& g, int64_t first, int64_t last) {
+  const int64_t most = group_panels(g);
   // One panel's bytes: K (float32) or K rounded up to pairs (bfloat16) vectors of kLanes.
   const int64_t depth = sizeof(T) == 2 ? (g.in_features + 1) / 2 * 2 : g.in_features;
   const int64_t panel_bytes = depth * kLanes * static_cast<int64_t>(sizeof(T));
   for (int64_t block = 0; block < g.rows; block += kBlockRows) {
     const int64_t rows = std::min(kBlockRows, g.rows - block);
     const int64_t tiles = (rows + kRows - 1) / kRows;
-    for (int64_t panel = first; panel < last; panel += kPanels) {
-      const int64_t count = std::min<int64_t>(kPanels, last - panel);
+    for (int64_t panel = first; panel < last; panel += most) {
+      const int64_t count = std::min<int64_t>(most, last - panel);
       // The next group of panels (this thread's, or its first for the next block of rows),
       // prefetched in equal shares by this group's tiles; only where a group is read more than
       // once (at one tile per group, i.e. up to kRows rows, it measured no faster: the
@@ -208,9 +266,7 @@ void run_panels(const Gemm<T>& g, int64_t first, int64_t last) {
                            : block + kBlockRows < g.rows ? first
                                                          : last;
       const int64_t lines =
-          tiles > 1 && next < last
-              ? std::min<int64_t>(kPanels, last - next) * panel_bytes / 64
-              : 0;
+          tiles > 1 && next < last ? std::min<int64_t>(most, last - next) * panel_bytes / 64 : 0;
       const char* ahead = reinterpret_cast<const char*>(g.panels) + next * panel_bytes;
       // Tiles of rows / tiles rows, the first rows % tiles of them one row more.
       const int64_t share = (lines + tiles - 1) / tiles;  // of the lines, per tile
@@ -232,23 +288,38 @@ int64_t num_panels(int64_t out_features) { return (out_features + kLanes - 1) / 
 
 // weight [out_features, in_features] -> float32 panels [ceil(out / kLanes), in, kLanes], or
 // bfloat16 ones [ceil(out / kLanes), ceil(in / 2), kLanes, 2] (where the CPU has AVX512-BF16).
-at::Tensor pack_panels(at::Tensor weight) {
+// paired: the weight is a gate_up projection, [gate; up] halves of out_features / 2 rows each,
+// packed as pairs of panels (gate columns i * kLanes.., then the same up columns), each half
+// padded to whole panels, for panel_silu_mul.
+at::Tensor pack_panels(at::Tensor weight, bool paired) {
   const bool bf16 = weight.scalar_type() == at::kBFloat16;
   TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kFloat || (bf16 && kBfloat16)),
               "pack_panels: weight must be a float32 [out_features, in_features] tensor",
               kBfloat16 ? " (or bfloat16)" : "");
+  TORCH_CHECK(!paired || weight.size(0) % 2 == 0,
+              "pack_panels: a paired (gate_up) weight needs an even number of rows");
   const at::Tensor w = weight.contiguous();
   const int64_t N = w.size(0), K = w.size(1), pairs = (K + 1) / 2;
-  auto panels = bf16 ? at::zeros({num_panels(N), pairs, kLanes, 2}, w.options())
-                     : at::zeros({num_panels(N), K, kLanes}, w.options());
+  const int64_t half = N / 2;
+  const int64_t count = paired ? 2 * num_panels(half) : num_panels(N);
+  // The weight row holding column j of panel p, or -1 (padding).
+  const auto source_row = [&](int64_t p, int64_t j) -> int64_t {
+    if (!paired) return p * kLanes + j < N ? p * kLanes + j : -1;
+    const int64_t column = p / 2 * kLanes + j;
+    return column < half ? (p % 2) * half + column : -1;
+  };
+  auto panels = bf16 ? at::zeros({count, pairs, kLanes, 2}, w.options())
+                     : at::zeros({count, K, kLanes}, w.options());
   const auto pack = [&](auto type) {
     using T = decltype(type);
     const T* source = w.data_ptr<T>();
     T* target = panels.data_ptr<T>();
-    at::parallel_for(0, num_panels(N), 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p) {
-        for (int64_t j = 0; j < kLanes && p * kLanes + j < N; ++j) {
-          const T* row = source + (p * kLanes + j) * K;
+        for (int64_t j = 0; j < kLanes; ++j) {
+          const int64_t n = source_row(p, j);
+          if (n < 0) continue;
+          const T* row = source + n * K;
           for (int64_t k = 0; k < K; ++k) {
             const int64_t at = bf16 ? ((p * pairs + k / 2) * kLanes + j) * 2 + k % 2
                                     : (p * K + k) * kLanes + j;
@@ -266,45 +337,49 @@ at::Tensor pack_panels(at::Tensor weight) {
   return panels;
 }
 
-// x [rows, in_features] float32 or bfloat16 (rows may be strided) -> [rows, out_features].
-at::Tensor panel_linear(at::Tensor x, at::Tensor panels, std::optional<at::Tensor> bias,
-                        int64_t out_features) {
-  // decode_layers calls this directly, not through the dispatcher: name it for profilers.
-  RECORD_FUNCTION("brigade_cpu::panel_linear", std::vector<c10::IValue>());
+namespace {
+
+// panel_linear (paired = false) and panel_silu_mul (true): out_features is the output's width.
+at::Tensor run_gemm(const at::Tensor& x, const at::Tensor& panels,
+                    const std::optional<at::Tensor>& bias, int64_t out_features, bool paired) {
+  const char* name = paired ? "panel_silu_mul" : "panel_linear";
   const auto dtype = x.scalar_type();
   const bool bf16 = dtype == at::kBFloat16;
-  TORCH_CHECK(x.dim() == 2 && (dtype == at::kFloat || bf16) && x.stride(1) == 1,
-              "panel_linear: x must be float32 or bfloat16 [rows, in_features] with contiguous "
-              "rows");
-  TORCH_CHECK(!bf16 || kBfloat16, "panel_linear: bfloat16 needs a CPU with AVX512-BF16");
+  TORCH_CHECK(x.dim() == 2 && (dtype == at::kFloat || bf16) && x.stride(1) == 1, name,
+              ": x must be float32 or bfloat16 [rows, in_features] with contiguous rows");
+  TORCH_CHECK(!bf16 || kBfloat16, name, ": bfloat16 needs a CPU with AVX512-BF16");
   const int64_t K = x.size(1);
-  TORCH_CHECK(panels.scalar_type() == dtype && panels.is_contiguous() &&
-                  panels.size(0) == num_panels(out_features) &&
+  const int64_t P = paired ? 2 * num_panels(out_features) : num_panels(out_features);
+  TORCH_CHECK(panels.scalar_type() == dtype && panels.is_contiguous() && panels.size(0) == P &&
                   (bf16 ? panels.dim() == 4 && panels.size(1) == (K + 1) / 2 &&
                               panels.size(2) == kLanes && panels.size(3) == 2
                         : panels.dim() == 3 && panels.size(1) == K && panels.size(2) == kLanes),
-              "panel_linear: panels must come from pack_panels for this x and out_features");
+              name, ": panels must come from pack_panels for this x and ",
+              paired ? "width (paired=True)" : "out_features");
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == dtype && bias->is_contiguous() &&
-                    bias->numel() == out_features,
-                "panel_linear: bias must be a vector of out_features in x's dtype");
+                    bias->numel() == (paired ? 2 : 1) * out_features,
+                name, ": bias must be a vector of the layer's out_features in x's dtype");
   }
   auto out = at::empty({x.size(0), out_features}, x.options());
   if (x.size(0) == 0) return out;
-  const int64_t P = panels.size(0);
   const auto run = [&](auto type) {
     using T = decltype(type);
-    const Gemm<T> g{x.data_ptr<T>(),
-                    x.stride(0),
-                    panels.data_ptr<T>(),
-                    bias.has_value() ? bias->data_ptr<T>() : nullptr,
-                    out.data_ptr<T>(),
-                    x.size(0),
-                    K,
-                    out_features};
-    // The threads split the panels evenly (a tile's kPanels the smallest share worth one).
-    at::parallel_for(0, P, kPanels,
-                     [&](int64_t begin, int64_t end) { run_panels<T>(g, begin, end); });
+    Gemm<T> g{x.data_ptr<T>(),
+              x.stride(0),
+              panels.data_ptr<T>(),
+              bias.has_value() ? bias->data_ptr<T>() : nullptr,
+              out.data_ptr<T>(),
+              x.size(0),
+              K,
+              out_features};
+    g.paired = paired;
+    // The threads split the panels evenly (a tile's worth the smallest share), paired panels
+    // by whole pairs.
+    const int64_t unit = paired ? 2 : 1;
+    at::parallel_for(0, P / unit, group_panels(g) / unit, [&](int64_t begin, int64_t end) {
+      run_panels<T>(g, begin * unit, end * unit);
+    });
   };
 #if defined(__AVX512BF16__)
   if (bf16) {
@@ -316,6 +391,25 @@ at::Tensor panel_linear(at::Tensor x, at::Tensor panels, std::optional<at::Tenso
   return out;
 }
 
+}  // namespace
+
+// x [rows, in_features] float32 or bfloat16 (rows may be strided) -> [rows, out_features].
+at::Tensor panel_linear(at::Tensor x, at::Tensor panels, std::optional<at::Tensor> bias,
+                        int64_t out_features) {
+  // decode_layers calls this directly, not through the dispatcher: name it for profilers.
+  RECORD_FUNCTION("brigade_cpu::panel_linear", std::vector<c10::IValue>());
+  return run_gemm(x, panels, bias, out_features, false);
+}
+
+// A gate_up projection on paired panels and the SiLU-mul after it, in one pass: x [rows,
+// in_features] -> silu(gate) * up [rows, width], equal to silu_mul(panel_linear(...)) (the
+// gate_up output is never written out). bias: the layer's [gate, up] (2 * width), if any.
+at::Tensor panel_silu_mul(at::Tensor x, at::Tensor panels, std::optional<at::Tensor> bias,
+                          int64_t width) {
+  RECORD_FUNCTION("brigade_cpu::panel_silu_mul", std::vector<c10::IValue>());
+  return run_gemm(x, panels, bias, width, true);
+}
+
 // Whether pack_panels and panel_linear take bfloat16 here (the CPU has AVX512-BF16).
 bool panels_take_bfloat16() { return kBfloat16; }
 
@@ -323,8 +417,9 @@ bool panels_take_bfloat16() { return kBfloat16; }
 int64_t panel_lanes() { return kLanes; }
 
 TORCH_LIBRARY_FRAGMENT(brigade_cpu, m) {
-  m.def("pack_panels", &pack_panels);
+  m.def("pack_panels(Tensor weight, bool paired=False) -> Tensor", &pack_panels);
   m.def("panel_linear", &panel_linear);
+  m.def("panel_silu_mul", &panel_silu_mul);
   m.def("panel_lanes", &panel_lanes);
   m.def("panels_take_bfloat16", &panels_take_bfloat16);
 }

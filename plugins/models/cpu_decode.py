@@ -83,6 +83,7 @@ class CpuDecodeLayers:
                 and backend._decode_kernel(device) is not None
                 and all(layer.self_attn.q_norm is None for layer in layers)
                 and len({_gemm_kind(m) for m in self._linears()}) == 1
+                and len({_paired(layer.mlp.gate_up_proj) for layer in layers}) == 1
                 and len({n.eps for n in self._norms()}) == 1
             )
         return self._usable
@@ -116,6 +117,7 @@ class CpuDecodeLayers:
                 _gemm_kind(first.self_attn.qkv_proj),
                 first.self_attn.backend.cascade,
                 first.mlp.intermediate_size,
+                _paired(first.mlp.gate_up_proj),
             )
             self._args = (weights, biases, windows, sizes)
         return self._args
@@ -145,6 +147,11 @@ def _gemm_kind(linear: nn.Module) -> int:
     if not isinstance(linear, CpuLinear):
         return 0
     return 2 if linear.layout == "panels" else 1
+
+
+def _paired(linear: nn.Module) -> bool:
+    """Whether this gate_up projection is packed in pairs (its SiLU-mul done in the GEMM)."""
+    return isinstance(linear, CpuLinear) and linear.paired
 
 
 def _gemm_weight(linear: nn.Module) -> torch.Tensor:

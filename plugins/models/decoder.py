@@ -29,6 +29,7 @@ from torch import nn
 
 from brigade.interfaces import AttentionBackend, AttentionLayer
 from brigade.plugins.attention.cpu_kernels import cpu_ops
+from brigade.plugins.executors.cpu_gemm import CpuLinear, mark_gate_up
 from brigade.plugins.models.config import DecoderConfig
 from brigade.plugins.models.parallel import TensorParallel, all_reduce, gather_vocab
 from brigade.plugins.models.rope import apply_rope, rope_cos_sin
@@ -142,8 +143,10 @@ class DecoderMLP(nn.Module):
         super().__init__()
         self.fusion = fusion
         self.intermediate_size = config.intermediate_size // tp_size  # this rank's share
-        self.gate_up_proj = nn.Linear(
-            config.hidden_size, 2 * self.intermediate_size, bias=config.mlp_bias, dtype=dtype
+        self.gate_up_proj: nn.Module = mark_gate_up(
+            nn.Linear(
+                config.hidden_size, 2 * self.intermediate_size, bias=config.mlp_bias, dtype=dtype
+            )
         )
         self.down_proj = nn.Linear(
             self.intermediate_size, config.hidden_size, bias=config.mlp_bias, dtype=dtype
@@ -151,9 +154,12 @@ class DecoderMLP(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [T, hidden_size] -> [T, hidden_size]."""
+        if (ops := self.fusion.ops(hidden)) is not None:
+            projection = self.gate_up_proj
+            if isinstance(projection, CpuLinear) and projection.paired:
+                return self.down_proj(projection.silu_mul(hidden))  # SiLU-mul in the GEMM
+            return self.down_proj(ops.silu_mul(projection(hidden)))
         gate_up = self.gate_up_proj(hidden)  # [T, 2 * intermediate_size]: gate, then up
-        if (ops := self.fusion.ops(gate_up)) is not None:
-            return self.down_proj(ops.silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 

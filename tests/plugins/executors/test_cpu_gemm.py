@@ -18,7 +18,7 @@ from torch import nn
 from brigade.model_input import SeqChunk, build_model_input
 from brigade.models.create import create_model
 from brigade.plugins.executors import cpu_gemm
-from brigade.plugins.executors.cpu_gemm import CpuLinear, use_cpu_linears
+from brigade.plugins.executors.cpu_gemm import CpuLinear, mark_gate_up, use_cpu_linears
 
 pytestmark = pytest.mark.skipif(
     not cpu_gemm.onednn_usable(), reason="this torch build has no oneDNN linear op"
@@ -79,6 +79,67 @@ def test_the_panel_gemm_refuses_what_it_cannot_read() -> None:
         ops.panel_linear(torch.randn(3, 8), panels, torch.randn(19), 20)
     with pytest.raises(ValueError, match="layout"):
         CpuLinear(nn.Linear(8, 8), "blocked")
+
+
+@PANELS
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 7, 33, 300])
+@pytest.mark.parametrize(("width", "in_features"), [(16, 24), (20, 9), (96, 64)])
+def test_silu_mul_in_the_gemm_equals_the_gemm_then_silu_mul(
+    dtype: torch.dtype, bias: bool, rows: int, width: int, in_features: int
+) -> None:
+    """Paired panels: every tile height, half-filled last pairs (width 20), biases, bfloat16's
+    roundings: bit for bit what panel_linear followed by silu_mul gives."""
+    ops = cpu_gemm._panel_ops()
+    if dtype == torch.bfloat16 and not ops.panels_take_bfloat16():
+        pytest.skip("no AVX512-BF16 panel GEMM here")
+    generator = torch.Generator().manual_seed(rows + width)
+    weight = torch.randn(2 * width, in_features, generator=generator).to(dtype)
+    b = torch.randn(2 * width, generator=generator).to(dtype) if bias else None
+    x = torch.randn(rows, in_features, generator=generator).to(dtype)
+    expected = ops.silu_mul(ops.panel_linear(x, ops.pack_panels(weight), b, 2 * width))
+    got = ops.panel_silu_mul(x, ops.pack_panels(weight, True), b, width)
+    assert got.dtype == dtype
+    assert torch.equal(got, expected)
+    gate, up = F.linear(x.float(), weight.float(), None if b is None else b.float()).chunk(2, -1)
+    # and silu(gate) * up of float32 sums, within float32 (or four bfloat16 roundings)
+    tolerance = (
+        {"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.1, "rtol": 2**-5}
+    )
+    torch.testing.assert_close(got.float(), F.silu(gate) * up, **tolerance)
+
+
+@PANELS
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_gate_up_projection_packs_in_pairs_and_still_computes_itself(bias: bool) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(mark_gate_up(nn.Linear(24, 2 * 20, bias=bias)), nn.Linear(24, 40))
+    weight = model[0].weight.detach().clone()
+    b = None if model[0].bias is None else model[0].bias.detach().clone()
+    assert use_cpu_linears(model, "panels") == 2
+    assert model[0].paired
+    assert not model[1].paired
+    x = torch.randn(5, 3, 24)
+    projected = F.linear(x, weight, b)
+    torch.testing.assert_close(model[0](x), projected, atol=2e-6, rtol=1e-5)
+    gate, up = projected.chunk(2, -1)
+    torch.testing.assert_close(model[0].silu_mul(x), F.silu(gate) * up, atol=2e-6, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="pairs"):
+        model[1].silu_mul(x)
+    ops, flat = cpu_gemm._panel_ops(), x.view(-1, 24)
+    with pytest.raises(RuntimeError, match="paired=True"):  # 3 unpaired panels, not 2 pairs
+        ops.panel_silu_mul(flat, ops.pack_panels(weight), None, 20)
+    with pytest.raises(RuntimeError, match="bias"):  # the gate's bias alone
+        ops.panel_silu_mul(flat, model[0].gemm_weight, torch.zeros(20), 20)
+    with pytest.raises(RuntimeError, match="even number of rows"):
+        ops.pack_panels(weight[1:], True)
+    with pytest.raises(ValueError, match="even width"):
+        mark_gate_up(nn.Linear(4, 5))
+    for mode in ("packed", "onednn"):  # oneDNN's layouts take no pairs
+        model = nn.Sequential(mark_gate_up(nn.Linear(24, 40)))
+        use_cpu_linears(model, mode)
+        assert not model[0].paired
 
 
 PANELS_BF16 = pytest.mark.skipif(
