@@ -4,12 +4,16 @@
     python benchmarks/cpu_gemm.py --rows 1 32 --lm-head
     python benchmarks/cpu_gemm.py --shapes 4096x4096 11008x4096 --rows 1 8
     python benchmarks/cpu_gemm.py --dtype bfloat16    # needs AVX512-BF16 (vdpbf16ps)
+    python benchmarks/cpu_gemm.py --gate-up --rows 1 112 2048   # SiLU-mul in the GEMM or after
 
 Each shape is timed on as many distinct weights as make ~64 MB, so that a call reads its
 weight from memory as a model's layer does rather than from the caches; the two kernels take
 turns (two rounds, the best of each kept), 2 threads, float32 unless ``--dtype``. Prints ms per
 call, the rate the weight was read at (what bounds a layer at one row) and GFLOP/s, the ratio,
-and the largest difference from F.linear in float32 on the same inputs.
+and the largest difference from F.linear in float32 on the same inputs. ``--gate-up`` times
+SmolLM2's gate_up projection and its SiLU-mul instead: the panel GEMM then ``silu_mul``, against
+``panel_silu_mul`` on paired panels (the product in the GEMM's epilogue), and checks that both
+give the same bits.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +32,8 @@ from brigade.plugins.executors.cpu_gemm import pack_weight
 SMOLLM2 = ("960x576", "576x576", "3072x576", "576x1536")
 """out x in of SmolLM2-135M's qkv, o, gate_up and down projections."""
 LM_HEAD = "49152x576"
+GATE_UP_WIDTH, SMOLLM2_HIDDEN = 1536, 576
+"""SmolLM2's MLP width (its gate_up projection is 2 x 1536 rows) and hidden size."""
 
 
 def best_seconds(call: Callable[[int], object], count: int, repeats: int) -> float:
@@ -73,6 +80,35 @@ def compare(
     print("  ".join(parts), flush=True)
 
 
+def compare_gate_up(ops: Any, rows: int, width: int, in_features: int, dtype: torch.dtype) -> None:
+    size = torch.finfo(dtype).bits // 8
+    count = max(1, int(64e6 // (2 * width * in_features * size)))
+    weights = [torch.randn(2 * width, in_features).to(dtype) for _ in range(count)]
+    plain = [ops.pack_panels(w) for w in weights]
+    paired = [ops.pack_panels(w, True) for w in weights]
+    x = torch.randn(rows, in_features).to(dtype)
+    separate = ops.silu_mul(ops.panel_linear(x, plain[0], None, 2 * width))
+    same = bool(torch.equal(separate, ops.panel_silu_mul(x, paired[0], None, width)))
+    flops = 2 * rows * 2 * width * in_features
+    repeats = max(3, int(1e10 // (flops * count)))
+    calls = {
+        "GEMM, then silu_mul": lambda i: ops.silu_mul(
+            ops.panel_linear(x, plain[i], None, 2 * width)
+        ),
+        "panel_silu_mul": lambda i: ops.panel_silu_mul(x, paired[i], None, width),
+    }
+    best: dict[str, float] = {}
+    for _ in range(3):
+        for name, call in calls.items():
+            best[name] = min(best.get(name, float("inf")), best_seconds(call, count, repeats))
+    parts = [f"rows {rows:4d}  gate_up {2 * width}x{in_features}"]
+    for name, seconds in best.items():
+        parts.append(f"{name} {seconds * 1e3:7.3f} ms ({flops / seconds / 1e9:4.0f} GF)")
+    ratio = best["GEMM, then silu_mul"] / best["panel_silu_mul"]
+    parts.append(f"in the GEMM {ratio:4.2f}x as fast, same bits: {same}")
+    print("  ".join(parts), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 512])
@@ -80,6 +116,9 @@ def main() -> None:
     parser.add_argument("--lm-head", action="store_true", help=f"also SmolLM2's {LM_HEAD}")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument(
+        "--gate-up", action="store_true", help="SiLU-mul in the gate_up GEMM or after it"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     ops = cpu_ops()
@@ -91,6 +130,10 @@ def main() -> None:
     if dtype == torch.bfloat16 and not ops.panels_take_bfloat16():
         raise SystemExit("the panel GEMM takes bfloat16 only on CPUs with AVX512-BF16")
     print(f"{cpu_flags()}; torch {torch.__version__}, {args.threads} threads, {args.dtype}")
+    if args.gate_up:
+        for rows in args.rows:
+            compare_gate_up(ops, rows, GATE_UP_WIDTH, SMOLLM2_HIDDEN, dtype)
+        return
     shapes = [*args.shapes, *([LM_HEAD] if args.lm_head else [])]
     for rows in args.rows:
         for shape in shapes:
