@@ -47,6 +47,17 @@ def best_seconds(call: Callable[[int], object], count: int, repeats: int) -> flo
     return (time.perf_counter() - started) / repeats / count
 
 
+def take_turns(
+    calls: dict[str, Callable[[int], object]], count: int, repeats: int, rounds: int
+) -> dict[str, float]:
+    """Each call's best seconds per call over ``rounds`` rounds, the calls taking turns."""
+    best: dict[str, float] = {}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            best[name] = min(best.get(name, float("inf")), best_seconds(call, count, repeats))
+    return best
+
+
 def compare(
     ops: object, rows: int, out_features: int, in_features: int, dtype: torch.dtype
 ) -> None:
@@ -66,10 +77,7 @@ def compare(
         ),
         "panels": lambda i: ops.panel_linear(x, panels[i], None, out_features),  # type: ignore[attr-defined]
     }
-    best: dict[str, float] = {}
-    for _ in range(2):
-        for name, call in calls.items():
-            best[name] = min(best.get(name, float("inf")), best_seconds(call, count, repeats))
+    best = take_turns(calls, count, repeats, rounds=2)
     parts = [f"rows {rows:4d}  {out_features:5d}x{in_features:<5d}"]
     for name, seconds in best.items():
         gb_per_s = out_features * in_features * size / seconds / 1e9
@@ -97,10 +105,7 @@ def compare_gate_up(ops: Any, rows: int, width: int, in_features: int, dtype: to
         ),
         "panel_silu_mul": lambda i: ops.panel_silu_mul(x, paired[i], None, width),
     }
-    best: dict[str, float] = {}
-    for _ in range(3):
-        for name, call in calls.items():
-            best[name] = min(best.get(name, float("inf")), best_seconds(call, count, repeats))
+    best = take_turns(calls, count, repeats, rounds=3)
     parts = [f"rows {rows:4d}  gate_up {2 * width}x{in_features}"]
     for name, seconds in best.items():
         parts.append(f"{name} {seconds * 1e3:7.3f} ms ({flops / seconds / 1e9:4.0f} GF)")
