@@ -2,12 +2,12 @@
 // once at load into column panels; float32, and bfloat16 where the CPU has AVX512-BF16.
 //
 // A panel is kLanes output columns (one vector) of the weight, stored k-major: panels[p][k][j]
-// = W[p * kLanes + j][k], the last panel zero-padded. A tile of kRows rows of x and up to
-// kPanels panels keeps its kRows x kPanels output vectors in registers over the whole of K:
-// per k it loads one vector of each panel and broadcasts one x value per row, so each weight
-// vector read feeds kRows FMAs and the panels stream through memory in order (at one row the
-// layer is a read of its weight at the memory's speed, which oneDNN's GEMV on its own packed
-// layout reached only about half of here). Rows are cut into tiles as even as possible (32
+// = W[p * kLanes + j][k], the last panel zero-padded. A tile of up to kRows rows of x and up
+// to tile_panels(rows) panels keeps its rows x panels output vectors in registers over the
+// whole of K: per k it loads one vector of each panel and broadcasts one x value per row, so
+// each weight vector read feeds a FMA per row and the panels stream through memory in order
+// (at one row the layer is a read of its weight at the memory's speed, which oneDNN's GEMV on
+// its own packed layout reached only about half of here). Rows are cut into tiles as even as possible (32
 // rows: 6, 6, 5, 5, 5, 5, not five 6s and a 2), larger batches are taken kBlockRows rows at a
 // time so their x rows stay in L2 while every panel of a thread passes, and the threads split
 // the panels (each its contiguous share, read once per row block). Where a group of panels is
@@ -50,15 +50,22 @@ using brigade_cpu::store_vec;
 using brigade_cpu::vecf;
 
 // Accumulators kRows x kPanels, plus kPanels weight vectors and a broadcast, within the
-// vector registers (32 with AVX-512, 16 with AVX2 or NEON).
+// vector registers (32 with AVX-512, 16 with AVX2 or NEON). With 16, a tile of 6 rows x 2
+// panels (BLIS's AVX2 shape) measured 1.2-1.45x a 3 x 3 one at 32-512 rows, but a row or two
+// read their weights at memory speed, and there more panels at once keep more reads in flight
+// (tile_panels). Blocks of rows (kBlockRows) are as many as keep their x in L2 at
+// SmolLM2's widest K (1536): 1 MB on the AVX-512 CPUs measured, 512 KB on the AVX2 ones.
 #if defined(__AVX512F__)
 constexpr int kRows = 6;
 constexpr int kPanels = 4;
-#else
-constexpr int kRows = 3;
-constexpr int kPanels = 3;
-#endif
 constexpr int64_t kBlockRows = 16 * kRows;
+constexpr int tile_panels(int64_t /*height*/) { return kPanels; }
+#else
+constexpr int kRows = 6;
+constexpr int kPanels = 3;
+constexpr int64_t kBlockRows = 8 * kRows;
+constexpr int tile_panels(int64_t height) { return height <= 2 ? 3 : 2; }
+#endif
 
 template <typename T>
 struct Gemm {
@@ -240,22 +247,24 @@ constexpr std::array<std::array<TileFn<T>, kPanels>, sizeof...(R)> tile_table(
 template <typename T>
 constexpr auto kTiles = tile_table<T>(std::make_integer_sequence<int, kRows>{});
 
-// Panels a tile takes at most: kPanels, or (paired) the whole pairs in it.
+// Panels a tile of `height` rows takes at most: tile_panels(height), or (paired) the whole
+// pairs in it.
 template <typename T>
-int64_t group_panels(const Gemm<T>& g) {
-  return g.paired ? kPanels / 2 * 2 : kPanels;
+int64_t group_panels(const Gemm<T>& g, int64_t height) {
+  const int64_t most = tile_panels(height);
+  return g.paired ? std::max<int64_t>(2, most / 2 * 2) : most;
 }
 
 // Panels [first, last) for every row, a thread's share (whole pairs, when paired).
 template <typename T>
 void run_panels(const Gemm<T>& g, int64_t first, int64_t last) {
-  const int64_t most = group_panels(g);
   // One panel's bytes: K (float32) or K rounded up to pairs (bfloat16) vectors of kLanes.
   const int64_t depth = sizeof(T) == 2 ? (g.in_features + 1) / 2 * 2 : g.in_features;
   const int64_t panel_bytes = depth * kLanes * static_cast<int64_t>(sizeof(T));
   for (int64_t block = 0; block < g.rows; block += kBlockRows) {
     const int64_t rows = std::min(kBlockRows, g.rows - block);
     const int64_t tiles = (rows + kRows - 1) / kRows;
+    const int64_t most = group_panels(g, (rows + tiles - 1) / tiles);
     for (int64_t panel = first; panel < last; panel += most) {
       const int64_t count = std::min<int64_t>(most, last - panel);
       // The next group of panels (this thread's, or its first for the next block of rows),
@@ -377,7 +386,8 @@ at::Tensor run_gemm(const at::Tensor& x, const at::Tensor& panels,
     // The threads split the panels evenly (a tile's worth the smallest share), paired panels
     // by whole pairs.
     const int64_t unit = paired ? 2 : 1;
-    at::parallel_for(0, P / unit, group_panels(g) / unit, [&](int64_t begin, int64_t end) {
+    const int64_t grain = group_panels(g, std::min<int64_t>(g.rows, kRows)) / unit;
+    at::parallel_for(0, P / unit, grain, [&](int64_t begin, int64_t end) {
       run_panels<T>(g, begin * unit, end * unit);
     });
   };
