@@ -180,8 +180,9 @@ class ReadAhead {
 
 // Caches with head_dim a multiple of the vector width (16 floats with AVX-512, else 8: GCC
 // vector extensions, so AVX/AVX-512/NEON as the CPU has) take vector loops that walk each row
-// page by page (the page and slot arithmetic once per page, not per key), load each key and
-// value once for all query heads of its KV head, and widen bfloat16 as it is loaded.
+// page by page (the page and slot arithmetic once per page, not per key), read each page from
+// memory once for all query heads of its KV heads (again from L1 per head), and widen bfloat16
+// as it is loaded.
 
 // Calls visit(offset, next, t0, n) once per page of positions [first, length) of a row whose
 // pages are `pages`: the page's keys t0 .. t0 + n - 1 start at element `offset` of the cache,
@@ -200,12 +201,42 @@ inline void for_each_page(const int64_t* pages, int64_t first, int64_t length, i
   }
 }
 
+// Query heads the values pass sums at once: their C accumulators each, a broadcast weight each
+// and a loaded value within the vector registers (32 with AVX-512, 16 with AVX2 or NEON).
+constexpr int value_heads(int c) {
+  return std::max(1, std::min(4, ((kLanes == 16 ? 32 : 16) - 2) / (c + 1)));
+}
+
+// Scores of query head qg against keys [0, m) of a block (m <= kLanes), the key of slot j at
+// keys + j * token_stride: out[j] = qg . key_j * scale. Each key's products stay in its own
+// vector, and sum_each adds up all kLanes of them at once (no horizontal sum per key); keys
+// past m repeat the last one and their lanes are not stored.
+template <int C, typename Cache>
+inline void score_block(const float* qg, const Cache* keys, int64_t token_stride, int64_t m,
+                        float scale, float* out) {
+  vecf acc[kLanes];
+  const auto key = [&](int j) { return keys + std::min<int64_t>(j, m - 1) * token_stride; };
+  const vecf q0 = load_vec(qg);
+  for (int j = 0; j < kLanes; ++j) acc[j] = load_vec(key(j)) * q0;
+  for (int c = 1; c < C; ++c) {
+    const vecf qc = load_vec(qg + c * kLanes);
+    for (int j = 0; j < kLanes; ++j) acc[j] += load_vec(key(j) + c * kLanes) * qc;
+  }
+  const vecf scores = sum_each(acc) * scale;
+  if (m == kLanes) {
+    store_vec(out, scores);
+  } else {
+    std::memcpy(out, &scores, m * sizeof(float));
+  }
+}
+
 // One row's KV heads [h0, h0 + kv_heads): their query heads q [kv_heads * group, head_dim]
 // against the row's keys in [first, length) -> o [kv_heads * group, head_dim] (head_dim =
 // C * kLanes); `offset` is h0's element offset within a slot, s holds [kv_heads * group,
 // count] scores as scratch. Both passes walk the pages in order, reading each slot's heads
-// as one contiguous span; the values pass sums a page's slots for two query heads at a time in
-// registers, while the page is hot in L1. lse (unless null) gets each query head's log-sum-exp.
+// as one contiguous span; the scores pass takes a page's keys kLanes at a time (score_block),
+// the values pass sums a page's slots for value_heads(C) query heads at a time in registers,
+// while the page is hot in L1. lse (unless null) gets each query head's log-sum-exp.
 template <int C, typename Cache>
 void attend_vec(const float* q, const Cache* key_cache, const Cache* value_cache,
                 const int64_t* pages, int64_t first, int64_t length, int64_t offset,
@@ -216,30 +247,34 @@ void attend_vec(const float* q, const Cache* key_cache, const Cache* value_cache
   const int64_t count = length - first;
   const int64_t heads = kv_heads * group;
   const int64_t span_bytes = kv_heads * head_dim * static_cast<int64_t>(sizeof(Cache));
-  // Pass 1: scores, each key loaded once for all the query heads of its KV head.
+  // Pass 1: scores, a block of keys at a time for each query head.
   for_each_page(pages, first, length, page_size, page_stride, token_stride,
                 [&](int64_t page, int64_t next, int64_t t0, int64_t n) {
-                  const Cache* slot = key_cache + page + offset;
+                  const Cache* base = key_cache + page + offset;
                   const Cache* following = key_cache + next + offset;
                   const char* far = ahead.next();
-                  for (int64_t j = 0; j < n; ++j, slot += token_stride) {
-                    if (next >= 0) prefetch_span(following + j * token_stride, span_bytes);
-                    ahead.prefetch_slots(far, j, j + 1);
-                    for (int64_t h = 0; h < kv_heads; ++h) {
-                      vecf k[C];
-                      for (int c = 0; c < C; ++c) k[c] = load_vec(slot + h * head_dim + c * kLanes);
-                      for (int64_t g = h * group; g < (h + 1) * group; ++g) {
-                        const float* qg = q + g * head_dim;
-                        vecf acc = k[0] * load_vec(qg);
-                        for (int c = 1; c < C; ++c) acc += k[c] * load_vec(qg + c * kLanes);
-                        s[g * count + t0 + j] = sum_lanes(acc) * scale;
-                      }
+                  for (int64_t j0 = 0; j0 < n; j0 += kLanes) {
+                    const int64_t m = std::min<int64_t>(kLanes, n - j0);
+                    // The block's prefetches, one slot per query head's scores (a burst of
+                    // them all at once overfills the misses a core can keep in flight).
+                    const auto fetch = [&](int64_t j) {
+                      if (next >= 0) prefetch_span(following + j * token_stride, span_bytes);
+                      ahead.prefetch_slots(far, j, j + 1);
+                    };
+                    const Cache* keys = base + j0 * token_stride;
+                    for (int64_t g = 0; g < heads; ++g) {
+                      if (g < m) fetch(j0 + g);
+                      score_block<C>(q + g * head_dim, keys + g / group * head_dim,
+                                     token_stride, m, scale, s + g * count + t0 + j0);
                     }
+                    for (int64_t j = heads; j < m; ++j) fetch(j0 + j);
                   }
                   ahead.prefetch_slots(far, n, page_size);
                 });
   softmax_rows(s, heads, count, lse);
-  // Pass 2: the weighted values.
+  // Pass 2: the weighted values, H query heads at a time (the last group's missing heads
+  // repeat the last head and are not stored).
+  constexpr int H = value_heads(C);
   std::fill(o, o + heads * head_dim, 0.0f);
   for_each_page(
       pages, first, length, page_size, page_stride, token_stride,
@@ -247,33 +282,30 @@ void attend_vec(const float* q, const Cache* key_cache, const Cache* value_cache
         const Cache* base = value_cache + page + offset;
         const Cache* following = value_cache + next + offset;
         const char* far = ahead.next();
-        for (int64_t g0 = 0; g0 < heads; g0 += 2) {
-          const int64_t h0 = g0 / group, h1 = std::min(g0 + 1, heads - 1) / group;
-          const float* w0 = s + g0 * count + t0;
-          const float* w1 = s + std::min(g0 + 1, heads - 1) * count + t0;
-          vecf acc0[C] = {}, acc1[C] = {};
+        for (int64_t g0 = 0; g0 < heads; g0 += H) {
+          const float* w[H];
+          int64_t at[H];  // each head's value within a slot
+          for (int i = 0; i < H; ++i) {
+            const int64_t g = std::min(g0 + i, heads - 1);
+            w[i] = s + g * count + t0;
+            at[i] = g / group * head_dim;
+          }
+          vecf acc[H][C] = {};
           const Cache* slot = base;
           for (int64_t j = 0; j < n; ++j, slot += token_stride) {
             if (g0 == 0) {
               if (next >= 0) prefetch_span(following + j * token_stride, span_bytes);
               ahead.prefetch_slots(far, j, j + 1);
             }
-            const vecf a = vecf{} + w0[j], b = vecf{} + w1[j];
-            for (int c = 0; c < C; ++c) {
-              acc0[c] += a * load_vec(slot + h0 * head_dim + c * kLanes);
-              acc1[c] += b * load_vec(slot + h1 * head_dim + c * kLanes);
+            for (int i = 0; i < H; ++i) {
+              const vecf weight = vecf{} + w[i][j];
+              for (int c = 0; c < C; ++c) acc[i][c] += weight * load_vec(slot + at[i] + c * kLanes);
             }
           }
-          float* o0 = o + g0 * head_dim;
-          for (int c = 0; c < C; ++c) {
-            const vecf sum = load_vec(o0 + c * kLanes) + acc0[c];
-            std::memcpy(o0 + c * kLanes, &sum, sizeof(sum));
-          }
-          if (g0 + 1 < heads) {
-            float* o1 = o0 + head_dim;
+          for (int i = 0; i < H && g0 + i < heads; ++i) {
+            float* out = o + (g0 + i) * head_dim;
             for (int c = 0; c < C; ++c) {
-              const vecf sum = load_vec(o1 + c * kLanes) + acc1[c];
-              std::memcpy(o1 + c * kLanes, &sum, sizeof(sum));
+              store_vec(out + c * kLanes, load_vec(out + c * kLanes) + acc[i][c]);
             }
           }
         }

@@ -7,6 +7,8 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <utility>
 
 namespace brigade_cpu {
 
@@ -22,8 +24,6 @@ typedef float vecf __attribute__((vector_size(4 * kLanes)));
 typedef int32_t veci __attribute__((vector_size(4 * kLanes)));
 typedef uint16_t vech __attribute__((vector_size(2 * kLanes)));
 typedef uint32_t vecw __attribute__((vector_size(4 * kLanes)));
-typedef float vec8 __attribute__((vector_size(32)));
-typedef float vec4 __attribute__((vector_size(16)));
 
 inline vecf load_vec(const float* p) {
   vecf v;
@@ -66,28 +66,35 @@ inline vecf round_vec(vecf v, c10::BFloat16) {
   return out;
 }
 
-inline vec4 quarters(vecf v, bool maximum) {
-#if defined(__AVX512F__)
-  const vec8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
-  const vec8 b = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const vec8 half = maximum ? (a > b ? a : b) : a + b;
-#else
-  const vec8 half = v;
-#endif
-  const vec4 c = __builtin_shufflevector(half, half, 0, 1, 2, 3);
-  const vec4 d = __builtin_shufflevector(half, half, 4, 5, 6, 7);
-  return maximum ? (c > d ? c : d) : c + d;
+// Lane `lane` of one folding step of sum_each: pieces of S / 2 lanes, taken in turns from u's
+// and w's segments of S lanes, their lower halves (or, `upper`, their upper halves).
+constexpr int fold_index(int S, bool upper, int lane) {
+  const int piece = lane / (S / 2), offset = lane % (S / 2);
+  return (piece % 2 == 1 ? kLanes : 0) + piece / 2 * S + offset + (upper ? S / 2 : 0);
 }
 
-inline float sum_lanes(vecf v) {
-  const vec4 q = quarters(v, false);
-  return (q[0] + q[2]) + (q[1] + q[3]);
+template <int S, int... I>
+inline vecf fold(vecf u, vecf w, std::integer_sequence<int, I...>) {
+  return __builtin_shufflevector(u, w, fold_index(S, false, I)...) +
+         __builtin_shufflevector(u, w, fold_index(S, true, I)...);
 }
 
-inline float max_lanes(vecf v) {
-  const vec4 q = quarters(v, true);
-  const float a = q[0] > q[2] ? q[0] : q[2], b = q[1] > q[3] ? q[1] : q[3];
-  return a > b ? a : b;
+// out[j] = the sum of v[j]'s lanes, for all kLanes vectors at once: each step adds the halves
+// of every segment of two vectors into one (kLanes - 1 shuffle pairs and adds in all, instead
+// of a horizontal sum per vector). v is used as scratch.
+inline vecf sum_each(vecf (&v)[kLanes]) {
+  constexpr auto lanes = std::make_integer_sequence<int, kLanes>{};
+  int count = kLanes;
+  const auto level = [&](auto segment) {
+    constexpr int S = decltype(segment)::value;
+    count /= 2;
+    for (int i = 0; i < count; ++i) v[i] = fold<S>(v[i], v[i + count], lanes);
+  };
+  if constexpr (kLanes == 16) level(std::integral_constant<int, 16>{});
+  level(std::integral_constant<int, 8>{});
+  level(std::integral_constant<int, 4>{});
+  level(std::integral_constant<int, 2>{});
+  return v[0];
 }
 
 // exp of every lane for x in [-87, 88] after clamping (cpu_exp.h's polynomial, on vectors).
