@@ -51,7 +51,7 @@ using brigade_cpu::vecf;
 
 // Accumulators kRows x kPanels, plus kPanels weight vectors and a broadcast, within the
 // vector registers (32 with AVX-512, 16 with AVX2 or NEON). With 16, a tile of 6 rows x 2
-// panels (BLIS's AVX2 shape) measured 1.2-1.45x a 3 x 3 one at 32-512 rows, but a row or two
+// panels (BLIS's AVX2 shape) measured 1.2-1.5x a 3 x 3 one at 32-512 rows, but a row or two
 // read their weights at memory speed, and there more panels at once keep more reads in flight
 // (tile_panels). Blocks of rows (kBlockRows) are as many as keep their x in L2 at
 // SmolLM2's widest K (1536): 1 MB on the AVX-512 CPUs measured, 512 KB on the AVX2 ones.
