@@ -7,16 +7,19 @@
 // whole of K: per k it loads one vector of each panel and broadcasts one x value per row, so
 // each weight vector read feeds a FMA per row and the panels stream through memory in order
 // (at one row the layer is a read of its weight at the memory's speed, which oneDNN's GEMV on
-// its own packed layout reached only about half of here). Rows are cut into tiles as even as possible (32
-// rows: 6, 6, 5, 5, 5, 5, not five 6s and a 2), larger batches are taken kBlockRows rows at a
-// time so their x rows stay in L2 while every panel of a thread passes, and the threads split
-// the panels (each its contiguous share, read once per row block). Where a group of panels is
-// read by several row tiles (from L2 after the first), those tiles prefetch the next group, so
-// that memory streams it meanwhile: ~5-18% on SmolLM2's batch-32 decode (docs/benchmarks.md).
+// its own packed layout reached only about half of here). Rows are cut into tiles as even as
+// possible (32 rows: 6, 6, 5, 5, 5, 5, not five 6s and a 2), larger batches are taken
+// kBlockRows rows at a time so their x rows stay in L2 while every panel of a thread passes,
+// and the threads split the panels (each its contiguous share, read once per row block).
+// Where a group of panels is read by several row tiles (from L2 after the first), those tiles
+// prefetch the next group, so that memory streams it meanwhile: ~5-18% on SmolLM2's batch-32
+// decode (docs/benchmarks.md).
 //
 // Sums run along k in order, one chain per output: results equal F.linear's within float32
-// rounding, not bit for bit (MKL and oneDNN sum in blocks). bfloat16 is below (tile for
-// Gemm<c10::BFloat16>).
+// rounding, not bit for bit (MKL and oneDNN sum in blocks). GCC fuses each step's multiply and
+// add, except in the 1 x 1 tile on AVX2 (GCC 12: vmulps, vaddps), so a column's last bit can
+// depend on which tile computed it; an explicit _mm256_fmadd_ps measured 0.55-0.75x.
+// bfloat16 is below (tile for Gemm<c10::BFloat16>).
 //
 // A gate_up projection may be packed in pairs of panels (gate columns, then the same up
 // columns): panel_silu_mul then stores silu(gate) * up as each tile finishes, so the
