@@ -17,8 +17,10 @@
 //
 // Sums run along k in order, one chain per output: results equal F.linear's within float32
 // rounding, not bit for bit (MKL and oneDNN sum in blocks). GCC fuses each step's multiply and
-// add, except in the 1 x 1 tile on AVX2 (GCC 12: vmulps, vaddps), so a column's last bit can
-// depend on which tile computed it; an explicit _mm256_fmadd_ps measured 0.55-0.75x.
+// add, except where a tile has one chain (1 x 1): tuned for AMD Zen it keeps a lone chain as a
+// multiply and an add, whose loop-carried part (the add) is quicker than a FMA. So panels are
+// grouped evenly (a thread's share of 4 by 3 as 2 + 2), and only a layer of one panel ever
+// takes that tile: every other column is the same FMA chain whichever path computed it.
 // bfloat16 is below (tile for Gemm<c10::BFloat16>).
 //
 // A gate_up projection may be packed in pairs of panels (gate columns, then the same up
@@ -267,18 +269,25 @@ void run_panels(const Gemm<T>& g, int64_t first, int64_t last) {
   for (int64_t block = 0; block < g.rows; block += kBlockRows) {
     const int64_t rows = std::min(kBlockRows, g.rows - block);
     const int64_t tiles = (rows + kRows - 1) / kRows;
+    // Groups of at most `most` panels, as even as possible (4 by 3: 2 + 2, not 3 + 1: GCC
+    // leaves a lone 1 x 1 tile's chain unfused, see the top), in whole pairs when paired.
     const int64_t most = group_panels(g, (rows + tiles - 1) / tiles);
-    for (int64_t panel = first; panel < last; panel += most) {
-      const int64_t count = std::min<int64_t>(most, last - panel);
+    const int64_t unit = g.paired ? 2 : 1;
+    const int64_t units = (last - first) / unit;
+    const int64_t groups = (last - first + most - 1) / most;
+    const auto group_size = [&](int64_t i) {
+      return (units / groups + (i < units % groups ? 1 : 0)) * unit;
+    };
+    for (int64_t i = 0, panel = first; i < groups; panel += group_size(i), ++i) {
+      const int64_t count = group_size(i);
       // The next group of panels (this thread's, or its first for the next block of rows),
       // prefetched in equal shares by this group's tiles; only where a group is read more than
       // once (at one tile per group, i.e. up to kRows rows, it measured no faster: the
       // hardware's own prefetch streams the panels being read).
-      const int64_t next = panel + count < last ? panel + count
-                           : block + kBlockRows < g.rows ? first
-                                                         : last;
+      const bool more = i + 1 < groups || block + kBlockRows < g.rows;
+      const int64_t next = i + 1 < groups ? panel + count : first;
       const int64_t lines =
-          tiles > 1 && next < last ? std::min<int64_t>(most, last - next) * panel_bytes / 64 : 0;
+          tiles > 1 && more ? group_size(i + 1 < groups ? i + 1 : 0) * panel_bytes / 64 : 0;
       const char* ahead = reinterpret_cast<const char*>(g.panels) + next * panel_bytes;
       // Tiles of rows / tiles rows, the first rows % tiles of them one row more.
       const int64_t share = (lines + tiles - 1) / tiles;  // of the lines, per tile

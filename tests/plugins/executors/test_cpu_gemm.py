@@ -87,22 +87,23 @@ def test_the_panel_gemm_refuses_what_it_cannot_read() -> None:
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 7, 33, 300])
 @pytest.mark.parametrize(("width", "in_features"), [(16, 24), (20, 9), (96, 64)])
+@pytest.mark.parametrize("threads", [1, 2])
 def test_silu_mul_in_the_gemm_equals_the_gemm_then_silu_mul(
     dtype: torch.dtype,
     bias: bool,
     rows: int,
     width: int,
     in_features: int,
+    threads: int,
 ) -> None:
     """Paired panels: every tile height, half-filled last pairs (width 20), biases, bfloat16's
-    roundings: bit for bit what panel_linear followed by silu_mul gives, on two threads (the
-    engine's split here; one thread cuts a row's panels into other tiles, and GCC leaves the
-    1 x 1 tile's multiply-adds unfused on AVX2: cpu_gemm.cpp)."""
+    roundings, one thread or two (each cuts a row's panels into other tiles): bit for bit what
+    panel_linear followed by silu_mul gives."""
     ops = cpu_gemm._panel_ops()
     if dtype == torch.bfloat16 and not ops.panels_take_bfloat16():
         pytest.skip("no AVX512-BF16 panel GEMM here")
     previous = torch.get_num_threads()
-    torch.set_num_threads(2)
+    torch.set_num_threads(threads)
     try:
         _check_silu_mul_in_the_gemm(ops, dtype, bias, rows, width, in_features)
     finally:
