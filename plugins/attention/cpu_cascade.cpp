@@ -43,8 +43,8 @@ using brigade_cpu::to_float;
 using brigade_cpu::vecf;
 
 constexpr int64_t kMostKeys = 512;
-// Vector registers for accumulators: 32 with AVX-512, 16 otherwise.
-constexpr int kRegisters = kLanes == 16 ? 28 : 12;
+// Vector registers for accumulators: all but 4 (for the loads and broadcasts).
+constexpr int kRegisters = brigade_cpu::kVectorRegisters - 4;
 constexpr int kKeyRows = 3;
 constexpr int kQueryVectors = kLanes == 16 ? 6 : 3;
 

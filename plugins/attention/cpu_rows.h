@@ -202,9 +202,9 @@ inline void for_each_page(const int64_t* pages, int64_t first, int64_t length, i
 }
 
 // Query heads the values pass sums at once: their C accumulators each, a broadcast weight each
-// and a loaded value within the vector registers (32 with AVX-512, 16 with AVX2 or NEON).
+// and a loaded value within the vector registers.
 constexpr int value_heads(int c) {
-  return std::max(1, std::min(4, ((kLanes == 16 ? 32 : 16) - 2) / (c + 1)));
+  return std::max(1, std::min(4, (kVectorRegisters - 2) / (c + 1)));
 }
 
 // Scores of query head qg against keys [0, m) of a block (m <= kLanes), the key of slot j at

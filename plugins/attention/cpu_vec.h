@@ -20,6 +20,8 @@ constexpr int kLanes = 8;
 // The vector kernels take head_dim of 1-8 vectors, and 128 (16 vectors of 8 without AVX-512);
 // kernels_take_head_dim in cpu_kernels.py says the same.
 constexpr int kMaxChunks = 128 / kLanes;
+// Vector registers of kLanes floats: 32 with AVX-512, 16 with AVX2 (and NEON, two to a vector).
+constexpr int kVectorRegisters = kLanes == 16 ? 32 : 16;
 typedef float vecf __attribute__((vector_size(4 * kLanes)));
 typedef int32_t veci __attribute__((vector_size(4 * kLanes)));
 typedef uint16_t vech __attribute__((vector_size(2 * kLanes)));

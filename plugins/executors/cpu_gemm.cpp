@@ -76,6 +76,14 @@ constexpr int kPanels = 3;
 constexpr int64_t kBlockRows = 8 * kRows;
 constexpr int tile_panels(int64_t height) { return height <= 2 ? 3 : 2; }
 #endif
+static_assert(
+    [] {
+      for (int rows = 1; rows <= kRows; ++rows) {
+        if ((rows + 1) * tile_panels(rows) + 1 > brigade_cpu::kVectorRegisters) return false;
+      }
+      return true;
+    }(),
+    "a tile's sums, weight vectors and broadcast must fit the vector registers");
 
 template <typename T>
 struct Gemm {
