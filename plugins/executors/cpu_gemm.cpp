@@ -280,6 +280,12 @@ int64_t group_panels(const Gemm<T>& g, int64_t height) {
   return g.paired ? std::max<int64_t>(2, most / 2 * 2) : most;
 }
 
+// The height of tile t of `tiles` over `rows` rows: rows / tiles, the first rows % tiles of
+// them one row more.
+int64_t tile_height(int64_t rows, int64_t tiles, int64_t t) {
+  return rows / tiles + (t < rows % tiles ? 1 : 0);
+}
+
 // Rows [block, block + rows) of x, cut into `tiles` tiles as run_panels cuts them, each
 // packed k-major for tile (float32; bfloat16 tiles read x in place).
 template <typename T>
@@ -290,7 +296,7 @@ void pack_rows(const Gemm<T>& g, int64_t block, int64_t rows, int64_t tiles,
     if (static_cast<int64_t>(packed.size()) < rows * K) packed.resize(rows * K);
     int64_t row = 0;
     for (int64_t t = 0; t < tiles; ++t) {
-      const int64_t height = rows / tiles + (t < rows % tiles ? 1 : 0);
+      const int64_t height = tile_height(rows, tiles, t);
       float* to = packed.data() + row * K;
       for (int64_t r = 0; r < height; ++r) {
         const float* from = g.x + (block + row + r) * g.x_stride;
@@ -332,11 +338,10 @@ void run_panels(const Gemm<T>& g, int64_t first, int64_t last) {
       const int64_t lines =
           tiles > 1 && more ? group_size(i + 1 < groups ? i + 1 : 0) * panel_bytes / 64 : 0;
       const char* ahead = reinterpret_cast<const char*>(g.panels) + next * panel_bytes;
-      // Tiles of rows / tiles rows, the first rows % tiles of them one row more.
       const int64_t share = (lines + tiles - 1) / tiles;  // of the lines, per tile
       int64_t row = block;
       for (int64_t t = 0; t < tiles; ++t) {
-        const int64_t height = rows / tiles + (t < rows % tiles ? 1 : 0);
+        const int64_t height = tile_height(rows, tiles, t);
         const int64_t begin = std::min(lines, t * share);
         const Ahead fetch{ahead + begin * 64, std::min(lines, begin + share) - begin};
         const T* xs = packed.empty() ? nullptr : packed.data() + (row - block) * g.in_features;
