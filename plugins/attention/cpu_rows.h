@@ -28,13 +28,29 @@ inline void score_key(const float* q, const Cache* key, float* out, int64_t stri
   }
 }
 
+// The largest of s[0, count), count >= 1 (a NaN is passed over, as std::max passes it over),
+// kLanes at a time: GCC does not vectorize a float maximum without -ffast-math.
+inline float max_of(const float* s, int64_t count) {
+  float maximum = s[0];
+  int64_t t = 0;
+  if (count >= kLanes) {
+    vecf most = load_vec(s);
+    for (t = kLanes; t + kLanes <= count; t += kLanes) {
+      const vecf v = load_vec(s + t);
+      most = v > most ? v : most;
+    }
+    for (int lane = 0; lane < kLanes; ++lane) maximum = std::max(maximum, most[lane]);
+  }
+  for (; t < count; ++t) maximum = std::max(maximum, s[t]);
+  return maximum;
+}
+
 // Each of `group` rows of `count` scores -> its softmax, in place; lse (unless null) gets each
 // row's log-sum-exp.
 inline void softmax_rows(float* s, int64_t group, int64_t count, float* lse) {
   for (int64_t g = 0; g < group; ++g) {
     float* sg = s + g * count;
-    float maximum = sg[0];
-    for (int64_t t = 1; t < count; ++t) maximum = std::max(maximum, sg[t]);
+    const float maximum = max_of(sg, count);
     float total = 0.0f;
 #pragma omp simd reduction(+ : total)
     for (int64_t t = 0; t < count; ++t) {
@@ -207,20 +223,19 @@ constexpr int value_heads(int c) {
   return std::max(1, std::min(4, (kVectorRegisters - 2) / (c + 1)));
 }
 
-// Scores of query head qg against keys [0, m) of a block (m <= kLanes), the key of slot j at
-// keys + j * token_stride: out[j] = qg . key_j * scale. Each key's products stay in its own
-// vector, and sum_each adds up all kLanes of them at once (no horizontal sum per key); keys
-// past m repeat the last one and their lanes are not stored.
+// Scores of query head qg against the keys of a block, key[0, m) (m <= kLanes; the caller
+// repeats the last key in key[m, kLanes)): out[j] = qg . key_j * scale. Each key's products
+// stay in its own vector, and sum_each adds up all kLanes of them at once (no horizontal sum
+// per key); lanes past m are not stored.
 template <int C, typename Cache>
-inline void score_block(const float* qg, const Cache* keys, int64_t token_stride, int64_t m,
+inline void score_block(const float* qg, const Cache* const (&key)[kLanes], int64_t m,
                         float scale, float* out) {
   vecf acc[kLanes];
-  const auto key = [&](int j) { return keys + std::min<int64_t>(j, m - 1) * token_stride; };
   const vecf q0 = load_vec(qg);
-  for (int j = 0; j < kLanes; ++j) acc[j] = load_vec(key(j)) * q0;
+  for (int j = 0; j < kLanes; ++j) acc[j] = load_vec(key[j]) * q0;
   for (int c = 1; c < C; ++c) {
     const vecf qc = load_vec(qg + c * kLanes);
-    for (int j = 0; j < kLanes; ++j) acc[j] += load_vec(key(j) + c * kLanes) * qc;
+    for (int j = 0; j < kLanes; ++j) acc[j] += load_vec(key[j] + c * kLanes) * qc;
   }
   const vecf scores = sum_each(acc) * scale;
   if (m == kLanes) {
@@ -250,24 +265,32 @@ void attend_vec(const float* q, const Cache* key_cache, const Cache* value_cache
   // Pass 1: scores, a block of keys at a time for each query head.
   for_each_page(pages, first, length, page_size, page_stride, token_stride,
                 [&](int64_t page, int64_t next, int64_t t0, int64_t n) {
-                  const Cache* base = key_cache + page + offset;
                   const Cache* following = key_cache + next + offset;
                   const char* far = ahead.next();
-                  for (int64_t j0 = 0; j0 < n; j0 += kLanes) {
-                    const int64_t m = std::min<int64_t>(kLanes, n - j0);
-                    // The block's prefetches, one slot per query head's scores (a burst of
-                    // them all at once overfills the misses a core can keep in flight).
-                    const auto fetch = [&](int64_t j) {
+                  const auto fetch = [&](int64_t from, int64_t to) {
+                    for (int64_t j = from; j < to; ++j) {
                       if (next >= 0) prefetch_span(following + j * token_stride, span_bytes);
                       ahead.prefetch_slots(far, j, j + 1);
-                    };
-                    const Cache* keys = base + j0 * token_stride;
-                    for (int64_t g = 0; g < heads; ++g) {
-                      if (g < m) fetch(j0 + g);
-                      score_block<C>(q + g * head_dim, keys + g / group * head_dim,
-                                     token_stride, m, scale, s + g * count + t0 + j0);
                     }
-                    for (int64_t j = heads; j < m; ++j) fetch(j0 + j);
+                  };
+                  for (int64_t j0 = 0; j0 < n; j0 += kLanes) {
+                    const int64_t m = std::min<int64_t>(kLanes, n - j0);
+                    // The read-ahead's slots of this block, one per query head's scores (a
+                    // burst of them all at once overfills the misses a core keeps in flight).
+                    int64_t fetched = j0;
+                    const Cache* keys = key_cache + page + offset + j0 * token_stride;
+                    for (int64_t h = 0; h < kv_heads; ++h, keys += head_dim) {
+                      const Cache* key[kLanes];
+                      for (int j = 0; j < kLanes; ++j) {
+                        key[j] = keys + std::min<int64_t>(j, m - 1) * token_stride;
+                      }
+                      for (int64_t g = h * group; g < (h + 1) * group; ++g) {
+                        if (fetched < j0 + m) fetch(fetched, fetched + 1);
+                        ++fetched;
+                        score_block<C>(q + g * head_dim, key, m, scale, s + g * count + t0 + j0);
+                      }
+                    }
+                    fetch(std::min(fetched, j0 + m), j0 + m);
                   }
                   ahead.prefetch_slots(far, n, page_size);
                 });
@@ -284,22 +307,22 @@ void attend_vec(const float* q, const Cache* key_cache, const Cache* value_cache
         const char* far = ahead.next();
         for (int64_t g0 = 0; g0 < heads; g0 += H) {
           const float* w[H];
-          int64_t at[H];  // each head's value within a slot
+          const Cache* value[H];  // each head's value in the slot j is at
           for (int i = 0; i < H; ++i) {
             const int64_t g = std::min(g0 + i, heads - 1);
             w[i] = s + g * count + t0;
-            at[i] = g / group * head_dim;
+            value[i] = base + g / group * head_dim;
           }
           vecf acc[H][C] = {};
-          const Cache* slot = base;
-          for (int64_t j = 0; j < n; ++j, slot += token_stride) {
+          for (int64_t j = 0; j < n; ++j) {
             if (g0 == 0) {
               if (next >= 0) prefetch_span(following + j * token_stride, span_bytes);
               ahead.prefetch_slots(far, j, j + 1);
             }
             for (int i = 0; i < H; ++i) {
               const vecf weight = vecf{} + w[i][j];
-              for (int c = 0; c < C; ++c) acc[i][c] += weight * load_vec(slot + at[i] + c * kLanes);
+              for (int c = 0; c < C; ++c) acc[i][c] += weight * load_vec(value[i] + c * kLanes);
+              value[i] += token_stride;
             }
           }
           for (int i = 0; i < H && g0 + i < heads; ++i) {
