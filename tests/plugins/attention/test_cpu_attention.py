@@ -98,6 +98,25 @@ def test_paged_decode_equals_softmax_over_each_rows_own_keys(
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("lengths", [[130], [130, 17], [40, 1, 9]])
+def test_rows_fewer_than_twice_the_threads_split_by_kv_head(
+    kernel: object, lengths: list[int]
+) -> None:
+    # With fewer rows than twice the threads a task is one KV head of a row, not all of them:
+    # the scores pass then walks a single KV head's query heads.
+    query, keys, values, tables, seq_lens = _paged_case(
+        lengths, heads=9, kv_heads=3, head_dim=64, page_size=16, seed=len(lengths)
+    )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out = kernel(query, keys, values, tables, seq_lens, 0, 0.125)  # type: ignore[operator]
+    finally:
+        torch.set_num_threads(threads)
+    expected = _reference(query, keys, values, tables, seq_lens, 0, 0.125)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("head_dim", [64, 36])
 def test_a_bfloat16_query_is_computed_in_float32_and_rounded_once(
     kernel: object, head_dim: int
