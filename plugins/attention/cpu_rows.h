@@ -275,8 +275,9 @@ void attend_vec(const float* q, const Cache* key_cache, const Cache* value_cache
                   };
                   for (int64_t j0 = 0; j0 < n; j0 += kLanes) {
                     const int64_t m = std::min<int64_t>(kLanes, n - j0);
-                    // The read-ahead's slots of this block, one per query head's scores (a
-                    // burst of them all at once overfills the misses a core keeps in flight).
+                    // The block's prefetches (the next page's slot into L1, the read-ahead's
+                    // into L2), one slot per query head's scores (a burst of them all at once
+                    // overfills the misses a core keeps in flight).
                     int64_t fetched = j0;
                     const Cache* keys = key_cache + page + offset + j0 * token_stride;
                     for (int64_t h = 0; h < kv_heads; ++h, keys += head_dim) {
