@@ -1,9 +1,11 @@
 """The standard sampler: greedy, temperature, top-k, top-p and min-p, with per-request seeds.
 
 One pass over the whole batch; each filter runs only when the batch's host-side flags say some
-row needs it. Tokens are drawn with the exponential race: ``argmax(probs / q)`` with
-``q ~ Exp(1)`` picks token ``i`` with probability ``probs[i]``, and lets a seeded row draw its
-own noise from its own generator, so its tokens do not depend on what else is batched.
+row needs it. Tokens are drawn by inverse transform: one uniform ``u`` per row picks the first
+token whose cumulative probability exceeds ``u``. A seeded row draws its ``u`` from its own
+generator, so its tokens do not depend on what else is batched. On CPU the draw is one C++ pass
+pair per row (``cpu_sample.cpp``): the exponential race ``argmax(probs / q)``, ``q ~ Exp(1)``,
+needs a random number per vocabulary entry, most of a large batch's sampling time.
 
 A row whose distribution is undefined (NaN logits, or every token masked to -inf) is answered
 with token id -1, which core fails alone (see ``SampleOutput.token_ids``).
@@ -12,7 +14,7 @@ with token id -1, which core fails alone (see ``SampleOutput.token_ids``).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -23,6 +25,7 @@ from brigade.interfaces import (
     SamplerParams,
     SamplingBatch,
 )
+from brigade.plugins.attention.cpu_kernels import cpu_ops
 from brigade.plugins.samplers.processors import (
     LogitBiasProcessor,
     MinTokensProcessor,
@@ -84,22 +87,23 @@ class StandardSampler(Sampler):
 def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Sample [S] token ids; rows with temperature 0 take the argmax."""
     greedy = batch.temperature == 0  # [S]
-    greedy_ids = logits.max(dim=-1).indices  # [S]
-    temperature = torch.where(greedy, 1.0, batch.temperature.clamp_min(_MIN_TEMPERATURE))
-    logits.div_(temperature.unsqueeze(1))
-    if batch.any_top_k or batch.any_top_p:
-        logits = _apply_top_k_top_p(logits, batch)
-    if batch.any_min_p:
-        # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p): no softmax needed, and
-        # unaffected by the renormalisation after top-k/top-p.
-        threshold = logits.amax(dim=-1, keepdim=True) + batch.min_p.log().unsqueeze(1)  # [S, 1]
-        logits.masked_fill_(logits < threshold, float("-inf"))
-    probs = logits.softmax(dim=-1)  # [S, vocab]
-    noise = _exponential_noise(probs, batch.generators)  # [S, vocab]
-    # A row's probabilities are NaN when its logits are (or all -inf), greedy rows included.
-    best = probs.div_(noise).max(dim=-1)
-    token_ids = torch.where(greedy, greedy_ids, best.indices)  # [S]
-    return token_ids.masked_fill_(best.values.isnan(), -1)
+    temperature = torch.where(greedy, 0.0, batch.temperature.clamp_min(_MIN_TEMPERATURE))
+    if batch.any_top_k or batch.any_top_p or batch.any_min_p:
+        # The filters act on the tempered logits; the draw then takes them as they are.
+        logits.div_(torch.where(greedy, 1.0, temperature).unsqueeze(1))
+        temperature = torch.where(greedy, 0.0, 1.0)
+        if batch.any_top_k or batch.any_top_p:
+            logits = _apply_top_k_top_p(logits, batch)
+        if batch.any_min_p:
+            # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p): no softmax needed,
+            # and unaffected by the renormalisation after top-k/top-p.
+            threshold = logits.amax(dim=-1, keepdim=True) + batch.min_p.log().unsqueeze(1)
+            logits.masked_fill_(logits < threshold, float("-inf"))
+    uniforms = _uniforms(logits.shape[0], batch.generators, logits.device)  # [S]
+    kernel = _draw_kernel(logits)
+    if kernel is not None:
+        return kernel(logits, temperature, uniforms)
+    return _draw(logits, temperature, uniforms)
 
 
 def _greedy(logits: torch.Tensor) -> torch.Tensor:
@@ -110,26 +114,41 @@ def _greedy(logits: torch.Tensor) -> torch.Tensor:
     return best.indices.masked_fill_(undefined, -1)
 
 
-def _exponential_noise(
-    probs: torch.Tensor, generators: Mapping[int, torch.Generator]
+def _uniforms(
+    num_rows: int, generators: Mapping[int, torch.Generator], device: torch.device
 ) -> torch.Tensor:
-    """Exp(1) draws shaped like ``probs``; a seeded row's come from its own generator only.
-
-    Unseeded rows share one draw from the default generator. Every draw is > 0, so
-    ``probs / noise`` never divides by zero.
-    """
-    noise = torch.empty_like(probs)
-    if probs.device.type != "cpu":
-        noise.exponential_()  # CUDA's exponential_ excludes 0 by construction
-        for index, generator in generators.items():
-            noise[index].exponential_(generator=generator)
-        return noise
-    # On CPU, exponential_ is ~4x slower than uniform_ followed by -log: u in [0, 1) gives
-    # -log(u) in (0, inf], and an infinite draw only means that token cannot win.
-    noise.uniform_()
+    """[S] float64 draws in [0, 1), one per row; a seeded row's from its own generator only,
+    so its tokens do not depend on what else is batched. Unseeded rows share one draw from
+    the default generator."""
+    uniforms = torch.rand(num_rows, dtype=torch.float64, device=device)
     for index, generator in generators.items():
-        noise[index].uniform_(generator=generator)
-    return noise.log_().neg_()
+        uniforms[index : index + 1].uniform_(generator=generator)
+    return uniforms
+
+
+def _draw_kernel(logits: torch.Tensor) -> Callable[..., torch.Tensor] | None:
+    """The C++ draw (``cpu_sample.cpp``) where it takes these logits, else None."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.stride(-1) != 1:
+        return None
+    ops = cpu_ops()
+    return None if ops is None else ops.sample_rows
+
+
+def _draw(logits: torch.Tensor, temperature: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """The portable draw, as ``cpu_sample.cpp``'s: rows at temperature 0 take their first
+    maximum, the others the first token whose cumulative probability under
+    ``softmax(logits / temperature)`` exceeds their uniform; -1 where a row has no
+    distribution (NaN, or every logit -inf). Modifies ``logits`` in place."""
+    greedy = temperature == 0  # [S]
+    greedy_ids = _greedy(logits)  # [S]
+    logits.div_(torch.where(greedy, 1.0, temperature).unsqueeze(1))
+    cumulative = logits.softmax(dim=-1).cumsum(dim=-1)  # [S, vocab]
+    total = cumulative[:, -1]  # [S], ~1; NaN for a row without a distribution
+    # Below the total, so that the search stops at the last token with any weight.
+    target = torch.minimum(uniforms.to(total.dtype) * total, total.nextafter(total.new_zeros(())))
+    drawn = torch.searchsorted(cumulative, target.unsqueeze(1), right=True).squeeze(1)
+    drawn = drawn.clamp_max_(logits.shape[-1] - 1).masked_fill_(total.isnan(), -1)
+    return torch.where(greedy, greedy_ids, drawn)
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from brigade.interfaces import LogitsProcessor, Request, SamplerParams, SamplingParams
+from brigade.plugins.samplers import standard
 from brigade.plugins.samplers.processors import (
     LogitBiasProcessor,
     MinTokensProcessor,
@@ -60,12 +61,22 @@ def fixed_logits() -> torch.Tensor:
     return torch.linspace(2.0, -2.5, VOCAB)[torch.randperm(VOCAB, generator=torch.Generator())]
 
 
-def test_standard_sampler_conforms() -> None:
+@pytest.fixture(params=["kernel", "portable"])
+def draw(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each test using it runs with the C++ draw (cpu_sample.cpp) and with the portable one."""
+    if request.param == "kernel":
+        assert standard._draw_kernel(torch.zeros(1, VOCAB)) is not None, "no C++ draw here"
+    else:
+        monkeypatch.setattr(standard, "_draw_kernel", lambda logits: None)
+    return str(request.param)
+
+
+def test_standard_sampler_conforms(draw: str) -> None:
     check_sampler(StandardSampler, StandardSamplerOptions())
 
 
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
-def test_empirical_distribution_matches_softmax(temperature: float) -> None:
+def test_empirical_distribution_matches_softmax(temperature: float, draw: str) -> None:
     torch.manual_seed(0)
     logits = fixed_logits()
     batch = make_sampling_batch(NUM_DRAWS, temperature=temperature)
@@ -75,7 +86,7 @@ def test_empirical_distribution_matches_softmax(temperature: float) -> None:
     assert total_variation < 0.02
 
 
-def test_seeded_rows_follow_the_distribution_too() -> None:
+def test_seeded_rows_follow_the_distribution_too(draw: str) -> None:
     logits = fixed_logits()
     num_rows = 5000
     batch = make_sampling_batch(num_rows, seeds={i: 1000 + i for i in range(num_rows)})
@@ -84,7 +95,7 @@ def test_seeded_rows_follow_the_distribution_too() -> None:
     assert total_variation < 0.05
 
 
-def test_top_p_keeps_exactly_the_minimal_nucleus_after_temperature() -> None:
+def test_top_p_keeps_exactly_the_minimal_nucleus_after_temperature(draw: str) -> None:
     torch.manual_seed(1)
     logits, temperature, top_p = fixed_logits(), 0.7, 0.8
     probs = (logits.double() / temperature).softmax(-1)
@@ -99,7 +110,7 @@ def test_top_p_keeps_exactly_the_minimal_nucleus_after_temperature() -> None:
     assert 0.5 * float((frequencies(tokens) - expected).abs().sum()) < 0.02
 
 
-def test_min_p_keeps_tokens_at_or_above_the_scaled_threshold() -> None:
+def test_min_p_keeps_tokens_at_or_above_the_scaled_threshold(draw: str) -> None:
     torch.manual_seed(2)
     logits, temperature, min_p = fixed_logits(), 1.5, 0.3
     probs = (logits.double() / temperature).softmax(-1)
@@ -191,7 +202,7 @@ def test_min_tokens_through_the_sampler_never_emits_eos_early() -> None:
     assert emitted[3] == 0
 
 
-def test_seeded_output_independent_of_batch_composition() -> None:
+def test_seeded_output_independent_of_batch_composition(draw: str) -> None:
     torch.manual_seed(3)
     steps = [torch.randn(VOCAB) for _ in range(20)]
 
@@ -210,6 +221,52 @@ def test_seeded_output_independent_of_batch_composition() -> None:
     assert tokens(7, 4, seed=42, top_k=[0, 3, 0, 5, 0, 2, 0]) == alone
     assert tokens(3, 2, seed=42, temperature=[0.0, 0.3, 1.0]) == alone
     assert tokens(1, 0, seed=43) != alone
+
+
+def drawn(logits: torch.Tensor, temperature: torch.Tensor, uniforms: torch.Tensor) -> list[int]:
+    """The draw the sampler takes here (see the ``draw`` fixture), with chosen uniforms."""
+    kernel = standard._draw_kernel(logits)
+    return (kernel or standard._draw)(logits.clone(), temperature, uniforms).tolist()
+
+
+def test_draw_picks_the_token_whose_cumulative_interval_holds_u(draw: str) -> None:
+    generator = torch.Generator().manual_seed(4)
+    rows, vocab = 64, 5003  # several blocks of the C++ draw and a partial one
+    logits = torch.randn(rows, vocab, generator=generator) * 4
+    logits[::3, ::2] = float("-inf")  # masked entries between the others
+    temperature = torch.rand(rows, generator=generator) * 1.7 + 0.3
+    uniforms = torch.rand(rows, generator=generator, dtype=torch.float64)
+    probs = (logits.double() / temperature.double().unsqueeze(1)).softmax(-1)
+    above = probs.cumsum(-1)  # [rows, vocab]: mass up to and including each token
+    for row, token in enumerate(drawn(logits, temperature, uniforms)):
+        u = float(uniforms[row])
+        assert probs[row, token] > 0
+        assert (
+            float(above[row, token] - probs[row, token]) - 1e-5
+            <= u
+            <= float(above[row, token]) + 1e-5
+        )
+
+
+def test_draw_at_the_edges(draw: str) -> None:
+    vocab, allowed = 1000, [3, 500, 998]  # one block of the C++ draw and a partial one
+    logits = torch.full((6, vocab), float("-inf"))
+    logits[:, allowed] = torch.tensor([0.5, 2.0, -1.0])
+    logits[4, 17] = float("nan")
+    logits[5] = torch.randn(vocab)
+    logits[5, [7, 9]] = 10.0  # a tie for the maximum: the first one
+    logits[3] = float("-inf")
+    temperature = torch.tensor([1.0, 1.0, 0.8, 1.0, 1.0, 0.0])
+    below_one = float(
+        torch.tensor(1.0, dtype=torch.float64).nextafter(torch.tensor(0.0, dtype=torch.float64))
+    )
+    uniforms = torch.tensor([0.0, below_one, 0.5, 0.5, 0.5, 0.5], dtype=torch.float64)
+    tokens = drawn(logits, temperature, uniforms)
+    assert tokens[0] == 3  # u = 0: the first token with any weight
+    assert tokens[1] == 998  # u just below 1: the last one, never a masked token after it
+    assert tokens[2] in allowed
+    assert tokens[3:5] == [-1, -1]  # no distribution: every logit -inf; a NaN
+    assert tokens[5] == 7
 
 
 def test_processors_stay_inactive_for_plain_requests() -> None:
