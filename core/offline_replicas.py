@@ -13,10 +13,11 @@ prompts; the others' answers are kept.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import multiprocessing
 import os
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -25,6 +26,7 @@ from brigade.interfaces import ReplicaLoad, RouterParams, SamplingParams
 from brigade.output import RequestOutput
 from brigade.ray_actors import replicas_on_ray, require_ray, spread_actors
 from brigade.registry import default_registry
+from brigade.replica_devices import local_replica_overrides, ray_replica_gpus, ray_replica_overrides
 
 __all__ = ["ReplicaResult", "generate_on_replicas", "place_prompts"]
 
@@ -90,18 +92,26 @@ def generate_on_replicas(
     num_replicas = config["router"].settings.data_parallel_size
     placed = place_prompts(config, registry, prompts, num_replicas)
     threads = _threads_per_replica(config, num_replicas)
+    on_ray = replicas_on_ray(config)
     jobs = []
     for replica in range(num_replicas):
         indices = [i for i, target in enumerate(placed) if target == replica]
         if not indices:
             continue
         replica_overrides = [*overrides, "router.data_parallel_size=1"]
+        if on_ray:
+            replica_overrides += ray_replica_overrides(config)
+        else:
+            replica_overrides += local_replica_overrides(config, replica, num_replicas)
         if threads:
             replica_overrides.append(f"executor.num_threads={threads}")
         share = [prompts[i] for i in indices]
         jobs.append(_Job(replica, indices, replica_overrides, share, threads or 1))
-    run = _run_on_ray if replicas_on_ray(config) else _run_in_processes
-    messages = run(jobs, config_path, params, chat)
+    if on_ray:
+        gpus = functools.partial(ray_replica_gpus, config, num_replicas)
+        messages = _run_on_ray(jobs, config_path, params, chat, gpus)
+    else:
+        messages = _run_in_processes(jobs, config_path, params, chat)
     return [
         ReplicaResult(
             job.replica,
@@ -146,12 +156,17 @@ def _run_in_processes(
 
 
 def _run_on_ray(
-    jobs: list[_Job], config_path: str | None, params: SamplingParams, chat: bool
+    jobs: list[_Job],
+    config_path: str | None,
+    params: SamplingParams,
+    chat: bool,
+    gpus: Callable[[float], int],
 ) -> list[dict[str, Any]]:
-    """One Ray actor per replica, each in its bundle of a placement group spread over the
-    cluster's nodes; every actor and the group are gone when this returns."""
+    """One Ray actor per replica (``gpus`` of the cluster's count each), each in its bundle
+    of a placement group spread over the cluster's nodes; every actor and the group are gone
+    when this returns."""
     ray = require_ray()
-    with spread_actors(_ReplicaActor, [job.threads for job in jobs]) as actors:
+    with spread_actors(_ReplicaActor, [job.threads for job in jobs], gpus=gpus) as actors:
         refs = [
             actor.run.remote(config_path, job.overrides, job.prompts, params, chat)
             for actor, job in zip(actors, jobs, strict=True)

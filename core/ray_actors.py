@@ -10,7 +10,7 @@ Ray is an extra (``pip install 'brigade-llm[ray]'``), imported only here and in 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -19,7 +19,7 @@ from brigade.interfaces import ConfigError
 __all__ = ["RAY_PLACEMENT_TIMEOUT_S", "replicas_on_ray", "require_ray", "spread_actors"]
 
 RAY_PLACEMENT_TIMEOUT_S = 120.0
-"""How long the replicas' placement group may wait for free CPUs on the Ray cluster."""
+"""How long the replicas' placement group may wait for free CPUs (and GPUs) on the cluster."""
 
 
 def replicas_on_ray(config: Any) -> bool:
@@ -44,11 +44,17 @@ def require_ray() -> ModuleType:
 
 @contextlib.contextmanager
 def spread_actors(
-    actor_class: type, cpus: Sequence[int], *, max_concurrency: int = 1
+    actor_class: type,
+    cpus: Sequence[int],
+    *,
+    gpus: Callable[[float], int] | None = None,
+    max_concurrency: int = 1,
 ) -> Iterator[list[Any]]:
     """One actor of ``actor_class`` per entry of ``cpus`` (that many CPUs each), actor ``i``
-    in bundle ``i`` of a placement group spread over the cluster's nodes. ``max_concurrency``
-    above 1 lets an actor answer a call while another runs (a stop while it serves).
+    in bundle ``i`` of a placement group spread over the cluster's nodes. ``gpus`` says how
+    many GPUs each actor asks for, given the cluster's count (none without it); Ray makes
+    them the actor's visible CUDA devices. ``max_concurrency`` above 1 lets an actor answer a
+    call while another runs (a stop while it serves).
 
     On leaving, every actor is killed, the placement group removed, and Ray shut down if this
     started it (else only the group and the actors go: the cluster is someone else's)."""
@@ -62,12 +68,14 @@ def spread_actors(
     group = None
     actors: list[Any] = []
     try:
-        group = placement_group([{"CPU": count} for count in cpus], strategy="SPREAD")
+        per_actor = 0 if gpus is None else gpus(ray.cluster_resources().get("GPU", 0.0))
+        bundles = [{"CPU": n, "GPU": per_actor} if per_actor else {"CPU": n} for n in cpus]
+        group = placement_group(bundles, strategy="SPREAD")
         try:
             ray.get(group.ready(), timeout=RAY_PLACEMENT_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
             raise ConfigError(
-                f"the Ray cluster did not find {list(cpus)} CPUs for the replicas within "
+                f"the Ray cluster did not find {bundles} for the replicas within "
                 f"{RAY_PLACEMENT_TIMEOUT_S:g} s (ray status shows what it has); use fewer "
                 "replicas or add nodes"
             ) from None
@@ -75,7 +83,10 @@ def spread_actors(
         for bundle, count in enumerate(cpus):
             strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle)
             options = remote_class.options(
-                num_cpus=count, scheduling_strategy=strategy, max_concurrency=max_concurrency
+                num_cpus=count,
+                num_gpus=per_actor,
+                scheduling_strategy=strategy,
+                max_concurrency=max_concurrency,
             )
             actors.append(options.remote())
         yield actors

@@ -14,16 +14,19 @@ NODE_MEMORY = {"object_store_memory": 80 * 1024 * 1024}
 
 
 @contextlib.contextmanager
-def two_node_cluster(num_cpus: int = 1) -> Iterator[str]:
+def two_node_cluster(num_cpus: int = 1, num_gpus: int = 0) -> Iterator[str]:
     """Yield the address of a head and a worker node of ``num_cpus`` CPUs each, both on
-    loopback; ``RAY_ADDRESS`` names it meanwhile (for this process and the ones it starts)."""
+    loopback; ``RAY_ADDRESS`` names it meanwhile (for this process and the ones it starts).
+    ``num_gpus`` GPUs per node are declared to Ray only (it hands them out, and sets an
+    actor's ``CUDA_VISIBLE_DEVICES``, without looking for real ones)."""
     saved = {
         key: os.environ.get(key) for key in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
     }
     # Every Ray process on loopback (Ray's single-machine mode), as the test machines require.
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": num_cpus, **NODE_MEMORY})
-    cluster.add_node(num_cpus=num_cpus, **NODE_MEMORY)
+    node = {"num_cpus": num_cpus, "num_gpus": num_gpus, **NODE_MEMORY}
+    cluster = Cluster(initialize_head=True, head_node_args=node)
+    cluster.add_node(**node)
     os.environ["RAY_ADDRESS"] = cluster.address
     try:
         yield cluster.address

@@ -43,6 +43,7 @@ import structlog
 
 from brigade.errors import EngineDeadError
 from brigade.ray_actors import replicas_on_ray
+from brigade.replica_devices import local_replica_overrides
 from brigade.server.engine_process import run_engine_process
 from brigade.server.frontend_process import run_frontend_process
 from brigade.server.lifecycle import DEAD_LINGER_S, EXIT_ENGINE_DEAD, EXIT_OK, EXIT_STARTUP_ERROR
@@ -143,15 +144,16 @@ def _start_engines(
         from brigade.server.ray_replicas import actor_engines
 
         engine_keys, frontend_keys = generate_keys()
-        with actor_engines(config_path, overrides, num_replicas, engine_keys) as actors:
+        with actor_engines(config_path, overrides, config, engine_keys) as actors:
             addresses = [actor.endpoint.address for actor in actors]
             yield Replicas(actors, addresses, [None] * num_replicas, frontend_keys)
         return
     addresses = [f"ipc://{rundir}/engine-{replica}" for replica in range(num_replicas)]
+    devices = [local_replica_overrides(config, r, num_replicas) for r in range(num_replicas)]
     engines = [
         _SPAWN.Process(
             target=run_engine_process,
-            args=(config_path, overrides, address, os.getpid()),
+            args=(config_path, [*overrides, *devices[replica]], address, os.getpid()),
             kwargs={"replica": replica, "num_replicas": num_replicas},
             name="brigade-engine" if num_replicas == 1 else f"brigade-engine-{replica}",
         )

@@ -22,7 +22,7 @@ import dataclasses
 import os
 import signal
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import zmq
@@ -30,10 +30,14 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from brigade.errors import BrigadeError, EngineDeadError
 from brigade.ray_actors import require_ray, spread_actors
+from brigade.replica_devices import ray_replica_gpus, ray_replica_overrides
 from brigade.server.engine_link import EngineKeys, bind_tcp, secure_engine_socket
 from brigade.server.engine_loop import EngineLoop
 from brigade.server.engine_process import engine_threads, load_engine, open_engine_socket
 from brigade.server.lifecycle import EXIT_ENGINE_DEAD
+
+if TYPE_CHECKING:
+    from brigade.config import EngineConfig
 
 __all__ = ["ActorEngine", "EngineActor", "ReplicaEndpoint", "actor_engines"]
 
@@ -166,14 +170,22 @@ class ActorEngine:
 
 @contextlib.contextmanager
 def actor_engines(
-    config_path: str | None, overrides: list[str], num_replicas: int, keys: EngineKeys
+    config_path: str | None, overrides: list[str], config: EngineConfig, keys: EngineKeys
 ) -> Iterator[list[ActorEngine]]:
-    """``num_replicas`` engines in Ray actors, loaded, bound and running, in replica order;
-    gone, with their placement group, on leaving. ``BrigadeError`` when a replica cannot load
-    (the config or the model); ``EngineDeadError`` when an actor dies while starting."""
+    """``config``'s ``[router] data_parallel_size`` engines in Ray actors (one GPU each on
+    CUDA), loaded, bound and running, in replica order; gone, with their placement group, on
+    leaving. ``BrigadeError`` when a replica cannot load (the config or the model);
+    ``EngineDeadError`` when an actor dies while starting."""
     ray = require_ray()
+    num_replicas = config["router"].settings.data_parallel_size
     threads = engine_threads(num_replicas)  # this machine's share, asked of every node
-    with spread_actors(EngineActor, [threads] * num_replicas, max_concurrency=2) as actors:
+    overrides = [*overrides, *ray_replica_overrides(config)]
+    with spread_actors(
+        EngineActor,
+        [threads] * num_replicas,
+        gpus=lambda cluster_gpus: ray_replica_gpus(config, num_replicas, cluster_gpus),
+        max_concurrency=2,
+    ) as actors:
         starts = [
             actor.start.remote(config_path, overrides, replica, num_replicas, threads, keys)
             for replica, actor in enumerate(actors)
