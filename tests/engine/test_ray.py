@@ -12,7 +12,7 @@ import pytest
 import ray
 
 from brigade import LLM, SamplingParams
-from brigade.offline_replicas import generate_on_replicas
+from brigade.offline_replicas import ReplicaResult, generate_on_replicas
 from tests.engine_helpers import assert_same_greedy, make_llm, prompts, run
 from tests.ray_helpers import assert_nothing_left, two_node_cluster
 from tests.server_harness import tiny_model
@@ -23,8 +23,20 @@ PROMPTS = ["one", "two three", "four five six", "seven"]
 
 @pytest.fixture(scope="module")
 def cluster_address() -> Iterator[str]:
-    with two_node_cluster() as address:
+    with two_node_cluster(num_cpus=2) as address:  # Ray's CPUs: slots, not cores
         yield address
+
+
+def assert_answers_equal_one_engine(results: list[ReplicaResult], settings: list[str]) -> None:
+    """Every replica succeeded, and the answers in prompt order equal one local engine's."""
+    assert all(r.error is None for r in results), [r.error for r in results]
+    answers = {
+        i: o.outputs[0].token_ids
+        for r in results
+        for i, o in zip(r.indices, r.outputs or [], strict=True)
+    }
+    reference = LLM(overrides=settings).generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [answers[i] for i in range(len(PROMPTS))] == [o.outputs[0].token_ids for o in reference]
 
 
 def test_replicas_run_as_actors_one_per_node_and_leave_nothing_behind(
@@ -43,15 +55,8 @@ def test_replicas_run_as_actors_one_per_node_and_leave_nothing_behind(
         PROMPTS,
         GREEDY,
     )
-    assert all(r.error is None for r in results), [r.error for r in results]
+    assert_answers_equal_one_engine(results, settings)
     assert len({r.node for r in results}) == 2, "both replicas ran on one node"
-    answers = {
-        i: o.outputs[0].token_ids
-        for r in results
-        for i, o in zip(r.indices, r.outputs or [], strict=True)
-    }
-    reference = LLM(overrides=settings).generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert [answers[i] for i in range(len(PROMPTS))] == [o.outputs[0].token_ids for o in reference]
     assert_nothing_left(cluster_address)
 
 
@@ -72,4 +77,39 @@ def test_a_tensor_parallel_rank_runs_as_an_actor_and_leaves_nothing_behind(
     finally:
         llm.engine.executor.shutdown()
     assert not ray.is_initialized(), "the launcher left its Ray connection open"
+    assert_nothing_left(cluster_address)
+
+
+def rank_actors(address: str) -> int:
+    """Tensor-parallel rank actors the cluster has seen, dead or alive."""
+    ray.init(address=address)
+    try:
+        return sum(
+            a["ActorClassName"] == "_RankActor" for a in ray._private.state.actors().values()
+        )
+    finally:
+        ray.shutdown()
+
+
+def test_replicas_with_tensor_parallel_ranks_all_run_as_actors(
+    cluster_address: str, tmp_path: Path
+) -> None:
+    """-dp 2 -tp 2: each replica's actor starts its rank 1 as an actor of its own."""
+    model_dir = tiny_model(tmp_path)
+    settings = [f"model.path={model_dir}", "kv.page_size=8", "kv.num_pages=128"]
+    ranks_before = rank_actors(cluster_address)
+    results = generate_on_replicas(
+        None,
+        [
+            *settings,
+            "router.data_parallel_size=2",
+            "router.plugin=round-robin",
+            "executor.tensor_parallel_size=2",
+            "executor.distributed_executor_backend=ray",
+        ],
+        PROMPTS,
+        GREEDY,
+    )
+    assert_answers_equal_one_engine(results, settings)
+    assert rank_actors(cluster_address) == ranks_before + 2, "a rank 1 was not a Ray actor"
     assert_nothing_left(cluster_address)
