@@ -2,11 +2,13 @@
 
 One pass over the whole batch; each filter runs only when the batch's host-side flags say some
 row needs it. Tokens are drawn by inverse transform: one uniform ``u`` per row picks the first
-token whose cumulative probability exceeds ``u``. A seeded row draws its ``u`` from its own
-generator, so its tokens do not depend on what else is batched. On CPU the draw runs in C++
-(``cpu_sample.cpp``, two passes over a row and no softmax tensor); the exponential race it
-replaced, ``argmax(probs / q)`` with ``q ~ Exp(1)``, drew a random number per vocabulary entry:
-256 rows of SmolLM2's 49152 logits took ~137 ms to sample that way, ~12 now (2 threads, AVX2).
+token whose cumulative probability exceeds ``u`` (in vocabulary order; among the tokens a C++
+filter keeps, most likely first). A seeded row draws its ``u`` from its own generator, so its
+tokens do not depend on what else is batched. On CPU the draw, filters included, runs in C++
+(``cpu_sample.cpp``: two passes over a row, no softmax tensor, top-k, top-p and min-p without
+sorting the vocabulary). The exponential race it replaced, ``argmax(probs / q)`` with
+``q ~ Exp(1)``, drew a random number per vocabulary entry: 256 rows of SmolLM2's 49152 logits
+took ~137 ms to sample that way, ~12 now (2 threads, AVX2).
 
 A row whose distribution is undefined (NaN logits, or every token masked to -inf) is answered
 with token id -1, which core fails alone (see ``SampleOutput.token_ids``).
@@ -89,6 +91,14 @@ def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Sample [S] token ids; rows with temperature 0 take the argmax."""
     greedy = batch.temperature == 0  # [S]
     temperature = torch.where(greedy, 0.0, batch.temperature.clamp_min(_MIN_TEMPERATURE))
+    uniforms = _uniforms(logits.shape[0], batch.generators, logits.device)  # [S]
+    kernel = _draw_kernel(logits)
+    if kernel is not None:  # the filters too, row by row (each off unless its flag is up)
+        off = torch.zeros(logits.shape[0])
+        top_k = batch.top_k.to(torch.int64).contiguous() if batch.any_top_k else off.long()
+        top_p = batch.top_p.float().contiguous() if batch.any_top_p else off + 1.0
+        min_p = batch.min_p.float().contiguous() if batch.any_min_p else off
+        return kernel(logits, temperature, uniforms, top_k, top_p, min_p)
     if batch.any_top_k or batch.any_top_p or batch.any_min_p:
         # The filters act on the tempered logits; the draw then takes them as they are.
         logits.div_(torch.where(greedy, 1.0, temperature).unsqueeze(1))
@@ -100,10 +110,6 @@ def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
             # and unaffected by the renormalisation after top-k/top-p.
             threshold = logits.amax(dim=-1, keepdim=True) + batch.min_p.log().unsqueeze(1)
             logits.masked_fill_(logits < threshold, float("-inf"))
-    uniforms = _uniforms(logits.shape[0], batch.generators, logits.device)  # [S]
-    kernel = _draw_kernel(logits)
-    if kernel is not None:
-        return kernel(logits, temperature, uniforms)
     return _draw(logits, temperature, uniforms)
 
 
@@ -114,8 +120,8 @@ def _greedy(logits: torch.Tensor) -> torch.Tensor:
     kernel = _draw_kernel(logits)
     if kernel is not None:
         rows = logits.shape[0]
-        zeros = torch.zeros(rows, dtype=torch.float64)
-        return kernel(logits, zeros.float(), zeros)
+        zeros = torch.zeros(rows, dtype=torch.float64)  # temperature 0: nothing else is read
+        return kernel(logits, zeros.float(), zeros, zeros.long(), zeros.float(), zeros.float())
     best = logits.max(dim=-1)  # NaN propagates: a row holding one has a NaN maximum
     undefined = best.values.isnan() | best.values.isneginf()  # [S]
     return best.indices.masked_fill_(undefined, -1)

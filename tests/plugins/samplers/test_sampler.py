@@ -226,7 +226,10 @@ def test_seeded_output_independent_of_batch_composition(draw: str) -> None:
 def drawn(logits: torch.Tensor, temperature: torch.Tensor, uniforms: torch.Tensor) -> list[int]:
     """The draw the sampler takes here (see the ``draw`` fixture), with chosen uniforms."""
     kernel = standard._draw_kernel(logits)
-    return (kernel or standard._draw)(logits.clone(), temperature, uniforms).tolist()
+    if kernel is None:
+        return standard._draw(logits.clone(), temperature, uniforms).tolist()
+    off = torch.zeros(logits.shape[0])  # no top-k, top-p or min-p
+    return kernel(logits, temperature, uniforms, off.long(), off + 1.0, off).tolist()
 
 
 def test_draw_picks_the_token_whose_cumulative_interval_holds_u(draw: str) -> None:
@@ -267,6 +270,52 @@ def test_draw_at_the_edges(draw: str) -> None:
     assert tokens[2] in allowed
     assert tokens[3:5] == [-1, -1]  # no distribution: every logit -inf; a NaN
     assert tokens[5] == 7
+
+
+def kept_distribution(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """The filters' semantics in float64: top-k (ties kept), the minimal top-p nucleus of what
+    is left, then min-p; the renormalised distribution over what stays."""
+    x = logits.double().clone()
+    if top_k:
+        x[x < x.topk(top_k).values[-1]] = float("-inf")
+    if top_p < 1:
+        probs = x.softmax(-1)
+        order = probs.argsort(descending=True, stable=True)
+        before = probs[order].cumsum(0) - probs[order]  # mass strictly above each token
+        x[order[before >= top_p]] = float("-inf")
+    if min_p:
+        probs = x.softmax(-1)
+        x[probs < min_p * probs.max()] = float("-inf")
+    return x.softmax(-1)
+
+
+@pytest.mark.parametrize(
+    ("shape", "top_k", "top_p", "min_p"),
+    [
+        ("peaky", 50, 1.0, 0.0),  # fewer than k tokens near the top: the C++ draw widens its cut
+        ("peaky", 0, 0.9, 0.0),
+        ("long tail", 0, 0.95, 0.0),  # the nucleus reaches far into the tail
+        ("peaky", 0, 1.0, 0.05),
+        ("long tail", 200, 0.97, 0.0005),
+    ],
+)
+def test_filters_on_a_large_vocabulary(
+    shape: str, top_k: int, top_p: float, min_p: float, draw: str
+) -> None:
+    torch.manual_seed(6)
+    vocab, rows = 3001, 4000
+    if shape == "peaky":
+        logits = torch.randn(vocab) * 8
+    else:  # one token well ahead of 3000 that share a sizeable mass far below it
+        logits = torch.randn(vocab) * 0.05 + 10.0
+        logits[1234] = 20.0
+    expected = kept_distribution(logits, top_k, top_p, min_p)
+    batch = make_sampling_batch(rows, top_k=top_k, top_p=top_p, min_p=min_p)
+    tokens = sampler().sample(logits.expand(rows, vocab).clone(), batch).token_ids
+    drawn = torch.bincount(tokens, minlength=vocab).double() / rows
+    assert set(tokens.unique().tolist()) <= set(expected.nonzero().flatten().tolist())
+    likeliest = expected.topk(5).indices
+    assert (drawn[likeliest] - expected[likeliest]).abs().max() < 0.03
 
 
 def test_processors_stay_inactive_for_plain_requests() -> None:
