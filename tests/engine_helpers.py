@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from brigade import LLM, SamplingParams
+from brigade.offline_replicas import ReplicaResult
 from brigade.testing.parity import assert_same_greedy_outputs
 
 LOGPROB_ATOL = 1e-4
@@ -35,3 +36,17 @@ def run(llm: LLM, token_prompts: list[list[int]]) -> list[tuple[list[int], list]
 
 def assert_same_greedy(ours: list, reference: list, label: str) -> None:
     assert_same_greedy_outputs(ours, reference, atol=LOGPROB_ATOL, label=label)
+
+
+def assert_replicas_answer_as_one_engine(
+    results: list[ReplicaResult], settings: list[str], prompts: list[str], params: SamplingParams
+) -> None:
+    """Every replica succeeded, and the answers in prompt order equal one local engine's."""
+    assert all(r.error is None for r in results), [r.error for r in results]
+    answers = {
+        i: o.outputs[0].token_ids
+        for r in results
+        for i, o in zip(r.indices, r.outputs or [], strict=True)
+    }
+    reference = LLM(overrides=settings).generate(prompts, params, use_tqdm=False)
+    assert [answers[i] for i in range(len(prompts))] == [o.outputs[0].token_ids for o in reference]

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from brigade import LLM, SamplingParams
+from brigade import SamplingParams
 from brigade.config import load_config
 from brigade.offline_replicas import generate_on_replicas, place_prompts
 from brigade.registry import default_registry
+from tests.engine_helpers import assert_replicas_answer_as_one_engine
 from tests.server_harness import tiny_model
 
 GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
@@ -38,12 +39,5 @@ def test_replica_processes_answer_as_one_engine(tmp_path: Path) -> None:
         GREEDY,
     )
     assert sorted(r.replica for r in results) == [0, 1]
-    assert all(r.error is None for r in results), [r.error for r in results]
-    answers = {
-        i: o.outputs[0].token_ids
-        for r in results
-        for i, o in zip(r.indices, r.outputs or [], strict=True)
-    }
-    reference = LLM(overrides=settings).generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert [answers[i] for i in range(len(PROMPTS))] == [o.outputs[0].token_ids for o in reference]
+    assert_replicas_answer_as_one_engine(results, settings, PROMPTS, GREEDY)
     assert sorted(len(r.indices) for r in results) == [3, 3], "one head per replica"

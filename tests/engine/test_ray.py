@@ -11,9 +11,15 @@ from pathlib import Path
 import pytest
 import ray
 
-from brigade import LLM, SamplingParams
-from brigade.offline_replicas import ReplicaResult, generate_on_replicas
-from tests.engine_helpers import assert_same_greedy, make_llm, prompts, run
+from brigade import SamplingParams
+from brigade.offline_replicas import generate_on_replicas
+from tests.engine_helpers import (
+    assert_replicas_answer_as_one_engine,
+    assert_same_greedy,
+    make_llm,
+    prompts,
+    run,
+)
 from tests.ray_helpers import assert_nothing_left, two_node_cluster
 from tests.server_harness import tiny_model
 
@@ -25,18 +31,6 @@ PROMPTS = ["one", "two three", "four five six", "seven"]
 def cluster_address() -> Iterator[str]:
     with two_node_cluster(num_cpus=2) as address:  # Ray's CPUs: slots, not cores
         yield address
-
-
-def assert_answers_equal_one_engine(results: list[ReplicaResult], settings: list[str]) -> None:
-    """Every replica succeeded, and the answers in prompt order equal one local engine's."""
-    assert all(r.error is None for r in results), [r.error for r in results]
-    answers = {
-        i: o.outputs[0].token_ids
-        for r in results
-        for i, o in zip(r.indices, r.outputs or [], strict=True)
-    }
-    reference = LLM(overrides=settings).generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert [answers[i] for i in range(len(PROMPTS))] == [o.outputs[0].token_ids for o in reference]
 
 
 def test_replicas_run_as_actors_one_per_node_and_leave_nothing_behind(
@@ -55,7 +49,7 @@ def test_replicas_run_as_actors_one_per_node_and_leave_nothing_behind(
         PROMPTS,
         GREEDY,
     )
-    assert_answers_equal_one_engine(results, settings)
+    assert_replicas_answer_as_one_engine(results, settings, PROMPTS, GREEDY)
     assert len({r.node for r in results}) == 2, "both replicas ran on one node"
     assert_nothing_left(cluster_address)
 
@@ -110,6 +104,6 @@ def test_replicas_with_tensor_parallel_ranks_all_run_as_actors(
         PROMPTS,
         GREEDY,
     )
-    assert_answers_equal_one_engine(results, settings)
+    assert_replicas_answer_as_one_engine(results, settings, PROMPTS, GREEDY)
     assert rank_actors(cluster_address) == ranks_before + 2, "a rank 1 was not a Ray actor"
     assert_nothing_left(cluster_address)
