@@ -21,7 +21,8 @@
 #      at a quarter of its requests, small model.
 # Step 3 also includes tests/plugins/executors/test_cuda_graph.py (decode graphs and piecewise
 # graphs vs eager), tests/plugins/executors/test_piecewise.py (piecewise graphs vs eager, bf16,
-# against fp32) and tests/plugins/attention/test_flash_attn_backend.py.
+# against fp32), tests/plugins/samplers/test_sampler.py (the standard sampler's portable draw
+# and its filters on CUDA) and tests/plugins/attention/test_flash_attn_backend.py.
 # Time limits: each step has a cap (the *_s variables below, 450 s = 7.5 minutes in all); a
 # step may also use what earlier steps left of their caps, so the script's steps together never
 # run past the sum of the caps, hung or not (plus the 5 s that `timeout -k` grants the last
@@ -99,9 +100,13 @@ step() {
     fi
     [ "$rc" = 0 ] || status=1
 }
-pytest=("$python" -m pytest -q -p no:cacheprovider)
+pytest=("$python" -m pytest -q -p no:cacheprovider -rfE)
+# Compiling the kernels' many specializations one after another took over 102 s on an H200
+# (2026-12-04); with pytest-xdist's 8 workers the file ran in 21 s.
+parallel=()
+if "$python" -c "import xdist" 2>/dev/null; then parallel=(-n 8 -p no:benchmark); fi
 step "tests/plugins/attention/test_triton_backend.py, compiled on the GPU" "$triton_tests_s" \
-    "${pytest[@]}" tests/plugins/attention/test_triton_backend.py
+    "${pytest[@]}" "${parallel[@]}" tests/plugins/attention/test_triton_backend.py
 mapfile -t others < <(grep -rl --include="test_*.py" "mark.gpu" tests | sort \
     | grep -v test_triton_backend.py)
 if [ "${#others[@]}" -gt 0 ]; then

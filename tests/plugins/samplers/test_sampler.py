@@ -330,3 +330,46 @@ def test_processors_stay_inactive_for_plain_requests() -> None:
     assert penalties.is_active
     penalties.remove(7)
     assert not penalties.is_active
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_on_cuda_the_portable_draw_conforms() -> None:
+    check_sampler(StandardSampler, StandardSamplerOptions(), device="cuda")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_on_cuda_the_draw_at_the_edges() -> None:
+    logits = torch.full((4, 1000), float("-inf"))
+    logits[:, [3, 500, 998]] = torch.tensor([0.5, 2.0, -1.0])
+    logits[2, 17] = float("nan")
+    logits[3] = float("-inf")
+    temperature = torch.tensor([1.0, 1.0, 1.0, 1.0])
+    uniforms = torch.tensor([0.0, 1.0 - 2**-53, 0.5, 0.5], dtype=torch.float64)
+    tokens = standard._draw(logits.cuda(), temperature.cuda(), uniforms.cuda())
+    assert tokens.device.type == "cuda"
+    assert tokens.tolist() == [3, 998, -1, -1]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize(
+    ("top_k", "top_p", "min_p"), [(50, 1.0, 0.0), (0, 0.9, 0.05), (200, 0.97, 0.0)]
+)
+def test_on_cuda_the_filters_keep_what_they_should(top_k: int, top_p: float, min_p: float) -> None:
+    torch.manual_seed(6)
+    vocab, rows = 3001, 4000
+    logits = torch.randn(vocab) * 8
+    expected = kept_distribution(logits, top_k, top_p, min_p)
+    params = SamplerParams(max_num_seqs=rows, vocab_size=vocab, device="cuda")
+    batch = make_sampling_batch(rows, top_k=top_k, top_p=top_p, min_p=min_p, device="cuda")
+    on_gpu = logits.cuda().expand(rows, vocab).clone()
+    tokens = StandardSampler(params, StandardSamplerOptions()).sample(on_gpu, batch).token_ids
+    drawn = torch.bincount(tokens.cpu(), minlength=vocab).double() / rows
+    assert set(tokens.unique().tolist()) <= set(expected.nonzero().flatten().tolist())
+    likeliest = expected.topk(5).indices
+    assert (drawn[likeliest] - expected[likeliest]).abs().max() < 0.03
