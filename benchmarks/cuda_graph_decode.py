@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -47,23 +48,32 @@ SHAPE = {
 
 
 def decode_tokens_per_second(
-    executor: Executor, batch_size: int, context: int, steps: int, warmup: int
+    executor: Executor,
+    batch_size: int,
+    context: int,
+    steps: int,
+    warmup: int,
+    after_each: Callable[[], object] = lambda: None,
 ) -> tuple[float, float]:
-    """(tokens/s, seconds per step) of ``steps`` decode steps over ``batch_size`` rows."""
+    """(tokens/s, seconds per step) of ``steps`` decode steps over ``batch_size`` rows;
+    ``after_each`` is called after every ``execute`` (the prefill's too)."""
     pages_per_row = -(-(context + warmup + steps + 1) // PAGE_SIZE)
     tables = [list(range(r * pages_per_row, (r + 1) * pages_per_row)) for r in range(batch_size)]
     prompt = [(7 * i) % 200 + 3 for i in range(context)]
     executor.execute(build_model_input([SeqChunk(prompt, 0, t) for t in tables], PAGE_SIZE))
+    after_each()
     batches = [
         build_model_input([SeqChunk([5], context + step, t) for t in tables], PAGE_SIZE)
         for step in range(warmup + steps)
     ]
     for batch in batches[:warmup]:
         executor.execute(batch)
+        after_each()
     torch.cuda.synchronize()
     started = time.perf_counter()
     for batch in batches[warmup:]:
         executor.execute(batch)
+        after_each()
     torch.cuda.synchronize()
     seconds = (time.perf_counter() - started) / steps
     return batch_size / seconds, seconds
@@ -101,6 +111,30 @@ def mixed_step_seconds(
     return (time.perf_counter() - started) / steps
 
 
+def profile_decode(executor: Executor, name: str, context: int, steps: int = 20) -> None:
+    """Print where a batch-1 decode step's device time goes (torch.profiler, CUPTI), and how
+    much of the step's wall time the device is busy."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    # Skip the prefill and 3 warm-up steps; record the timed steps only.
+    with profile(activities=activities, schedule=schedule(wait=1, warmup=3, active=steps)) as prof:
+        _, seconds = decode_tokens_per_second(executor, 1, context, steps, 3, prof.step)
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy_us = sum(e.self_device_time_total for e in kernels) / steps
+    print(
+        f"\n{name}, batch 1: {seconds * 1e3:.2f} ms a step (profiled), device busy "
+        f"{busy_us / 1e3:.2f} ms of it; kernels by device time per step:"
+    )
+    print("| kernel | calls / step | us / step |")
+    print("|---|---:|---:|")
+    for event in sorted(kernels, key=lambda e: -e.self_device_time_total)[:12]:
+        print(
+            f"| {event.key[:70]} | {event.count / steps:.1f} | "
+            f"{event.self_device_time_total / steps:.1f} |"
+        )
+
+
 def parse_mixed(spec: str) -> tuple[int, int]:
     """'32+256' -> (32 decodes, a 256-token chunk)."""
     decodes, _, chunk = spec.partition("+")
@@ -125,6 +159,9 @@ def main() -> None:
         nargs="*",
         default=[(8, 8), (32, 256), (64, 448)],
         help="mixed steps DECODES+CHUNK to time (chunk <= --context)",
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="also profile batch-1 decode steps of each"
     )
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -172,6 +209,8 @@ def main() -> None:
                 )
                 for decodes, chunk in args.mixed
             }
+            if args.profile:
+                profile_decode(executor, name, args.context)
             buckets = getattr(getattr(executor, "pieces", None), "capture_tokens", ())
             executor.shutdown()
     print(f"\nmodel: {weight_bytes / 1e9:.2f} GB of bf16 weights; context {args.context}")
