@@ -120,7 +120,11 @@ def profile_decode(executor: Executor, name: str, context: int, steps: int = 20)
     # Skip the prefill and 3 warm-up steps; record the timed steps only.
     with profile(activities=activities, schedule=schedule(wait=1, warmup=3, active=steps)) as prof:
         _, seconds = decode_tokens_per_second(executor, 1, context, steps, 3, prof.step)
-    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = [  # the step annotations carry device time of their own: not kernels
+        e
+        for e in prof.key_averages()
+        if e.device_type == torch.autograd.DeviceType.CUDA and not e.key.startswith("Profiler")
+    ]
     busy_us = sum(e.self_device_time_total for e in kernels) / steps
     print(
         f"\n{name}, batch 1: {seconds * 1e3:.2f} ms a step (profiled), device busy "
