@@ -29,7 +29,7 @@ from brigade.interfaces.executor import DTYPE_NAMES
 from brigade.model_input import SeqChunk, build_model_input
 from brigade.plugins.executors.cpu_gemm import CPU_LINEAR_MODES, use_cpu_linears
 from brigade.plugins.executors.cpu_memory import advise_huge_pages, keep_freed_memory
-from brigade.plugins.models.decoder import CpuFusion
+from brigade.plugins.models.decoder import Fusion
 from brigade.plugins.models.parallel import TensorParallel
 
 if TYPE_CHECKING:
@@ -95,9 +95,10 @@ class TorchExecutorOptions:
     )
     fused_ops: bool = option(
         True,
-        help="on a CPU in float32 or bfloat16, run a decoder layer's small operations (RMSNorm, "
-        "the residual add before the second norm, SiLU-mul, RoPE) as Brigade's fused C++ kernels "
-        "(built once, like the attention kernel); false = torch's operations",
+        help="run a decoder layer's small operations (RMSNorm, the residual add before the second "
+        "norm, SiLU-mul, RoPE) fused: on a CPU in float32 or bfloat16 as Brigade's C++ kernels "
+        "(built once, like the attention kernel), on a CUDA GPU as Triton kernels; false = "
+        "torch's operations",
     )
     fused_decode: bool = option(
         True,
@@ -212,7 +213,7 @@ class TorchExecutor(Executor):
             self.model.eval()
             if self.device.type == "cpu" and not options.compile:
                 use_cpu_linears(self.model, options.cpu_linear)
-        if isinstance(fusion := getattr(self.model, "fusion", None), CpuFusion):
+        if isinstance(fusion := getattr(self.model, "fusion", None), Fusion):
             fusion.enabled = options.fused_ops
         if (fused := getattr(self.model, "fused_decode", None)) is not None:
             # The one-call C++ decode has no collectives: a shard runs layer by layer.

@@ -46,7 +46,11 @@ class CpuDecodeLayers:
     ) -> torch.Tensor | None:
         """The residual stream after every layer of a pure decode step, or None when this
         step is not one the fused call covers."""
-        if not self.enabled or not isinstance(metadata, SdpaMetadata):
+        if (
+            not self.enabled
+            or hidden.device.type != "cpu"
+            or not isinstance(metadata, SdpaMetadata)
+        ):
             return None
         if metadata.prefill_rows or metadata.num_decodes != hidden.shape[0]:
             return None

@@ -11,15 +11,17 @@ attention) and ``finish_layer`` (o_proj, residual, MLP, residual), then ``final_
 model-level methods only pick the layer; the eager forward calls the same layer methods, so
 both paths run one implementation.
 
-On a CPU in float32 or bfloat16 the small operations between the GEMMs (RMSNorm, the residual
-add before the post-attention norm, SiLU-mul, RoPE) run as Brigade's fused C++ kernels
-(``brigade.plugins.attention.cpu_kernels``) when they can be built, and as the torch
-operations transformers uses otherwise (and always elsewhere); :class:`CpuFusion` decides.
+The small operations between the GEMMs (RMSNorm, the residual add before the post-attention
+norm, SiLU-mul, RoPE) run fused: on a CPU in float32 or bfloat16 as Brigade's C++ kernels
+(``brigade.plugins.attention.cpu_kernels``) when they can be built, on a CUDA GPU as Triton
+kernels (``brigade.plugins.models.triton_fused``) when Triton imports, and as the torch
+operations transformers uses otherwise; :class:`Fusion` decides.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -34,40 +36,50 @@ from brigade.plugins.models.config import DecoderConfig
 from brigade.plugins.models.parallel import TensorParallel, all_reduce, gather_vocab
 from brigade.plugins.models.rope import apply_rope, rope_cos_sin
 
-__all__ = ["CpuFusion", "DecoderForCausalLM", "RMSNorm"]
+__all__ = ["DecoderForCausalLM", "Fusion", "RMSNorm"]
 
 
 @dataclasses.dataclass
-class CpuFusion:
-    """Whether a model's small operations take the fused CPU kernels; one per model, shared
-    by its modules (``enabled = False`` keeps the torch operations, e.g. as a reference)."""
+class Fusion:
+    """Whether a model's small operations take fused kernels; one per model, shared by its
+    modules (``enabled = False`` keeps the torch operations, e.g. as a reference)."""
 
     enabled: bool = True
 
     def ops(self, x: torch.Tensor) -> Any:
-        """``torch.ops.brigade_cpu`` for an eager float32 or bfloat16 CPU tensor when the
-        kernels are built, else None (other devices and dtypes, and under torch.compile, which
-        fuses)."""
-        if (
-            not self.enabled
-            or x.dtype not in (torch.float32, torch.bfloat16)
-            or x.device.type != "cpu"
-            or torch.compiler.is_compiling()
-        ):
+        """What runs the small operations on eager tensors like ``x``: ``torch.ops.brigade_cpu``
+        (float32 or bfloat16 on a CPU, once built) or ``triton_fused`` (float32, bfloat16 or
+        float16 on a CUDA GPU, where Triton imports), both with rms_norm, add_rms_norm,
+        silu_mul and rope; None elsewhere, and under torch.compile, which fuses."""
+        if not self.enabled or torch.compiler.is_compiling():
             return None
-        return cpu_ops()
+        if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
+            return cpu_ops()
+        if x.device.type == "cuda" and x.dtype in (torch.float32, torch.bfloat16, torch.float16):
+            return _triton_fused()
+        return None
+
+
+@functools.cache
+def _triton_fused() -> Any:
+    """The Triton kernels' module, or None where Triton does not import."""
+    try:
+        from brigade.plugins.models import triton_fused
+    except ImportError:
+        return None
+    return triton_fused
 
 
 class RMSNorm(nn.Module):
     """Root-mean-square norm over the last dimension, computed in float32 like transformers."""
 
     def __init__(
-        self, size: int, eps: float, dtype: torch.dtype, fusion: CpuFusion | None = None
+        self, size: int, eps: float, dtype: torch.dtype, fusion: Fusion | None = None
     ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(size, dtype=dtype))
         self.eps = eps
-        self.fusion = fusion or CpuFusion(enabled=False)
+        self.fusion = fusion or Fusion(enabled=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., size] -> same shape and dtype."""
@@ -85,7 +97,7 @@ class DecoderAttention(nn.Module):
         layer: AttentionLayer,
         backend: AttentionBackend,
         dtype: torch.dtype,
-        fusion: CpuFusion,
+        fusion: Fusion,
     ) -> None:
         super().__init__()
         self.layer = layer
@@ -138,7 +150,7 @@ class DecoderAttention(nn.Module):
 
 class DecoderMLP(nn.Module):
     def __init__(
-        self, config: DecoderConfig, dtype: torch.dtype, fusion: CpuFusion, tp_size: int
+        self, config: DecoderConfig, dtype: torch.dtype, fusion: Fusion, tp_size: int
     ) -> None:
         super().__init__()
         self.fusion = fusion
@@ -171,7 +183,7 @@ class DecoderLayer(nn.Module):
         layer: AttentionLayer,
         backend: AttentionBackend,
         dtype: torch.dtype,
-        fusion: CpuFusion,
+        fusion: Fusion,
         tp: TensorParallel | None = None,
     ) -> None:
         super().__init__()
@@ -251,8 +263,8 @@ class DecoderForCausalLM(nn.Module):
         )
         self.vocab_rows = -(-config.vocab_size // tp_size)
         """Rows of the embedding and the LM head here (the vocabulary padded to tp_size)."""
-        self.fusion = CpuFusion()
-        """Whether the small operations take the fused CPU kernels (see :class:`CpuFusion`)."""
+        self.fusion = Fusion()
+        """Whether the small operations take fused kernels (see :class:`Fusion`)."""
         self.attention_layers: Sequence[AttentionLayer] = tuple(
             AttentionLayer(
                 layer_index=index,
