@@ -4,8 +4,9 @@
 # minutes on one H200 even when a step hangs (see "Time limits" below). Steps:
 #   1. make `brigade` importable: an editable install without dependencies, or, where that
 #      cannot be built offline, a symlinked package tree on PYTHONPATH;
-#   2. the triton backend's whole test file, compiled on the GPU (fp32 vs the float64
-#      reference, bf16/fp16 vs sdpa);
+#   2. the triton backend's and the fused small operations' whole test files, compiled on the
+#      GPU (fp32 vs the float64 reference, bf16/fp16 vs sdpa; the fused kernels vs torch's
+#      operations in fp32, bf16 and fp16);
 #   3. every other test marked `gpu`, among them tests/plugins/models/test_gpu_parity.py:
 #      greedy parity (tie-aware) of the engine with transformers `generate` on a small llama
 #      in bf16 on the GPU, with the torch and the cuda-graph executor, a 16-token budget
@@ -105,10 +106,11 @@ pytest=("$python" -m pytest -q -p no:cacheprovider -rfE)
 # (2026-12-04); with pytest-xdist's 8 workers the file ran in 21 s.
 parallel=()
 if "$python" -c "import xdist" 2>/dev/null; then parallel=(-n 8 -p no:benchmark); fi
-step "tests/plugins/attention/test_triton_backend.py, compiled on the GPU" "$triton_tests_s" \
-    "${pytest[@]}" "${parallel[@]}" tests/plugins/attention/test_triton_backend.py
+triton_files=(tests/plugins/attention/test_triton_backend.py tests/plugins/models/test_triton_fused.py)
+step "${triton_files[*]}, compiled on the GPU" "$triton_tests_s" \
+    "${pytest[@]}" "${parallel[@]}" "${triton_files[@]}"
 mapfile -t others < <(grep -rl --include="test_*.py" "mark.gpu" tests | sort \
-    | grep -v test_triton_backend.py)
+    | grep -v -e test_triton_backend.py -e test_triton_fused.py)
 if [ "${#others[@]}" -gt 0 ]; then
     echo "gpu_check: tests marked gpu in ${others[*]}"
     step "other tests marked gpu" "$gpu_tests_s" "${pytest[@]}" -m gpu "${others[@]}"
