@@ -78,3 +78,15 @@ class ShuffledPages:
 def token_sequences(lengths: Sequence[int], seed: int = 1) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(0, 256, (n,), generator=generator).tolist() for n in lengths]
+
+
+class CountingOps:
+    """Forwards to a fused-operations namespace (``Fusion.ops``'s answer) and records which
+    operations were called."""
+
+    def __init__(self, ops: object, calls: list[str]) -> None:
+        self._ops, self._calls = ops, calls
+
+    def __getattr__(self, name: str) -> object:
+        self._calls.append(name)
+        return getattr(self._ops, name)

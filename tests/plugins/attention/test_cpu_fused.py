@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from executor_helpers import make_executor
+from executor_helpers import CountingOps, make_executor
 
 from brigade.model_input import SeqChunk, build_model_input
 from brigade.models.create import create_model
@@ -141,20 +141,9 @@ def test_the_decoder_gives_the_same_logits_fused_and_unfused(
     unfused = make_executor(model_dir, cpu_linear="plain", fused=False, dtype=dtype)
     calls: list[str] = []
     ops = cpu_ops()
-    counted = _Counting(ops, calls)
+    counted = CountingOps(ops, calls)
     fused.model.fusion.ops = lambda x: counted  # type: ignore[attr-defined]  # records the calls
     for chunk in (SeqChunk(list(range(3, 11)), 0, [1, 2], "all"), SeqChunk([7], 8, [1, 2, 3])):
         batch = build_model_input([chunk], 4)
         torch.testing.assert_close(fused.execute(batch), unfused.execute(batch), atol=atol, rtol=0)
     assert {"rms_norm", "add_rms_norm", "silu_mul", "rope"} <= set(calls)
-
-
-class _Counting:
-    """Forwards to the kernels and records which were called."""
-
-    def __init__(self, ops: object, calls: list[str]) -> None:
-        self._ops, self._calls = ops, calls
-
-    def __getattr__(self, name: str) -> object:
-        self._calls.append(name)
-        return getattr(self._ops, name)

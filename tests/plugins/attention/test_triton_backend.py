@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from triton_helpers import DEVICE, HAS_CUDA, gpu_only, needs_kernels
 
 from brigade.errors import ConfigError
 from brigade.interfaces import NoOptions
@@ -23,7 +24,6 @@ from brigade.plugins.attention.sdpa import SdpaBackend
 from brigade.plugins.attention.triton_backend import (
     TritonAttentionOptions,
     TritonBackend,
-    triton_interpreting,
 )
 from brigade.registry import Registry
 from brigade.testing.attention import (
@@ -33,16 +33,6 @@ from brigade.testing.attention import (
     run_backend,
 )
 from brigade.testing.conformance import check_attention_backend
-
-INTERPRETED = triton_interpreting()
-HAS_CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if HAS_CUDA and not INTERPRETED else "cpu"
-needs_kernels = pytest.mark.skipif(
-    not (INTERPRETED or HAS_CUDA), reason="needs CUDA or TRITON_INTERPRET=1"
-)
-gpu_only = pytest.mark.skipif(
-    not HAS_CUDA or INTERPRETED, reason="needs CUDA and compiled (not interpreted) kernels"
-)
 
 ATOL = 2e-5
 """fp32 output vs the float64 reference (unit-variance inputs); measured max ~1.2e-6."""

@@ -13,24 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from executor_helpers import make_executor
+from executor_helpers import CountingOps, make_executor
+from triton_helpers import DEVICE, INTERPRETED, gpu_only, needs_kernels
 
 from brigade.model_input import SeqChunk, build_model_input
 from brigade.models.create import create_model
-from brigade.plugins.attention.triton_backend import triton_interpreting
 from brigade.plugins.models import triton_fused
 from brigade.plugins.models.decoder import RMSNorm
 from brigade.plugins.models.rope import apply_rope
 
-INTERPRETED = triton_interpreting()
-HAS_CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if HAS_CUDA and not INTERPRETED else "cpu"
-pytestmark = pytest.mark.skipif(
-    not (INTERPRETED or HAS_CUDA), reason="needs CUDA or TRITON_INTERPRET=1"
-)
-gpu_only = pytest.mark.skipif(
-    not HAS_CUDA or INTERPRETED, reason="needs CUDA and compiled (not interpreted) kernels"
-)
+pytestmark = needs_kernels
 
 
 def _strided(rows: int, width: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -137,22 +129,11 @@ def test_the_decoder_gives_the_same_logits_with_the_triton_kernels(model_dir: Pa
     fused = make_executor(model_dir, cpu_linear="plain", fused_decode=False)
     unfused = make_executor(model_dir, cpu_linear="plain", fused=False)
     calls: list[str] = []
-    fused.model.fusion.ops = lambda x: _Counting(triton_fused, calls)  # type: ignore[attr-defined]
+    fused.model.fusion.ops = lambda x: CountingOps(triton_fused, calls)  # type: ignore[attr-defined]
     for chunk in (SeqChunk(list(range(3, 11)), 0, [1, 2], "all"), SeqChunk([7], 8, [1, 2, 3])):
         batch = build_model_input([chunk], 4)
         torch.testing.assert_close(fused.execute(batch), unfused.execute(batch), atol=2e-5, rtol=0)
     assert {"rms_norm", "add_rms_norm", "silu_mul", "rope"} <= set(calls)
-
-
-class _Counting:
-    """Forwards to the kernels and records which were called."""
-
-    def __init__(self, ops: object, calls: list[str]) -> None:
-        self._ops, self._calls = ops, calls
-
-    def __getattr__(self, name: str) -> object:
-        self._calls.append(name)
-        return getattr(self._ops, name)
 
 
 @pytest.mark.gpu
