@@ -121,9 +121,9 @@ def _rope_kernel(
     _rotate(k_ptr + token * k_stride, k_target, heads, cols, half, k_mask, cos, sin)
 
 
-def _check_rows(x: torch.Tensor, name: str, dtype: torch.dtype) -> None:
-    if x.dim() != 2 or x.stride(1) != 1 or x.dtype != dtype:
-        raise ValueError(f"{name} must be a [rows, width] {dtype} tensor with contiguous rows")
+def _check_rows(x: torch.Tensor, name: str) -> None:
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"{name} must be a [rows, width] tensor with contiguous rows")
 
 
 def _norm_warps(block: int) -> int:
@@ -133,11 +133,11 @@ def _norm_warps(block: int) -> int:
 def _norm(
     a: torch.Tensor, b: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_rows(a, "x", a.dtype)
+    _check_rows(a, "x")
     if b is not None:
-        _check_rows(b, "delta", a.dtype)
-        if b.shape != a.shape:
-            raise ValueError("hidden and delta must have one shape")
+        _check_rows(b, "delta")
+        if b.shape != a.shape or b.dtype != a.dtype:
+            raise ValueError("hidden and delta must have one shape and dtype")
     if weight.dtype != a.dtype or not weight.is_contiguous() or weight.numel() != a.shape[1]:
         raise ValueError("weight must be a contiguous vector of the input's width and dtype")
     rows, size = a.shape
@@ -176,7 +176,7 @@ def add_rms_norm(
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [rows, 2 * width] (gate columns first) -> silu(gate) * up [rows, width]."""
-    _check_rows(gate_up, "gate_up", gate_up.dtype)
+    _check_rows(gate_up, "gate_up")
     if gate_up.shape[1] % 2:
         raise ValueError("gate_up must have an even width")
     rows, width = gate_up.shape[0], gate_up.shape[1] // 2

@@ -101,6 +101,8 @@ def test_bad_inputs_are_refused_with_a_message() -> None:
         triton_fused.rms_norm(x, torch.ones(5, device=DEVICE), 1e-6)
     with pytest.raises(ValueError, match="width and dtype"):
         triton_fused.rms_norm(x, torch.ones(4, device=DEVICE, dtype=torch.float16), 1e-6)
+    with pytest.raises(ValueError, match="contiguous rows"):
+        triton_fused.rms_norm(torch.zeros(4, 2, device=DEVICE).t(), torch.ones(4), 1e-6)
     with pytest.raises(ValueError, match="one shape"):
         triton_fused.add_rms_norm(x, torch.zeros(3, 4, device=DEVICE), torch.ones(4), 1e-6)
     q = torch.zeros(1, 2, 4, device=DEVICE)
