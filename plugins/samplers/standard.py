@@ -122,6 +122,11 @@ def _greedy(logits: torch.Tensor) -> torch.Tensor:
         rows = logits.shape[0]
         zeros = torch.zeros(rows, dtype=torch.float64)  # temperature 0: nothing else is read
         return kernel(logits, zeros.float(), zeros, zeros.long(), zeros.float(), zeros.float())
+    return _first_maximum(logits)
+
+
+def _first_maximum(logits: torch.Tensor) -> torch.Tensor:
+    """``_greedy`` in torch operations."""
     best = logits.max(dim=-1)  # NaN propagates: a row holding one has a NaN maximum
     undefined = best.values.isnan() | best.values.isneginf()  # [S]
     return best.indices.masked_fill_(undefined, -1)
@@ -153,7 +158,7 @@ def _draw(logits: torch.Tensor, temperature: torch.Tensor, uniforms: torch.Tenso
     ``softmax(logits / temperature)`` exceeds their uniform; -1 where a row has no
     distribution (NaN, or every logit -inf). Modifies ``logits`` in place."""
     greedy = temperature == 0  # [S]
-    greedy_ids = _greedy(logits)  # [S]
+    greedy_ids = _first_maximum(logits)  # [S]
     logits.div_(torch.where(greedy, 1.0, temperature).unsqueeze(1))
     cumulative = logits.softmax(dim=-1).cumsum(dim=-1)  # [S, vocab]
     total = cumulative[:, -1]  # [S], ~1; NaN for a row without a distribution
