@@ -7,12 +7,14 @@ environment variables, ``--set station.key=value`` flags.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from brigade.device_defaults import machine_defaults
 from brigade.errors import ConfigError, ModelLoadError, UnknownComponentError
 from brigade.interfaces import Checkpoint, PageSizeRule
 from brigade.options import build_options, unknown_key_error
@@ -30,6 +32,8 @@ __all__ = [
 ]
 
 ENV_PREFIX = "BRIGADE_"
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -99,8 +103,14 @@ def load_config(
         raise ConfigError(
             f"{source}: unknown table [{unknown[0]}]; tables are {', '.join(STATIONS)}"
         )
+    defaults = machine_defaults(tables, registry)
+    if defaults:
+        logger.info(
+            "a CUDA GPU: %s (name a plugin to choose another)",
+            ", ".join(f"[{station}] plugin = {plugin!r}" for station, plugin in defaults.items()),
+        )
     stations = {
-        name: _build_station(station, tables.get(name, {}), registry, source)
+        name: _build_station(station, tables.get(name, {}), registry, source, defaults.get(name))
         for name, station in STATIONS.items()
     }
     return EngineConfig(stations=stations, source=source)
@@ -314,11 +324,17 @@ _MOVED = {
 
 
 def _build_station(
-    station: Station, table: Mapping[str, Any], registry: Registry, source: str
+    station: Station,
+    table: Mapping[str, Any],
+    registry: Registry,
+    source: str,
+    machine_default: str | None = None,
 ) -> StationConfig:
+    """``machine_default``: the plugin this machine gives the station when the table names
+    none, instead of its static default (``machine_defaults``)."""
     where = f"{source} [{station.name}]"
     values = dict(table)
-    plugin = values.pop("plugin", station.default_plugin)
+    plugin = values.pop("plugin", machine_default or station.default_plugin)
     chain_options = values.pop(station.chain_options_key, {}) if station.chain_options_key else {}
     if not station.kind and "plugin" in table:
         raise ConfigError(f"{where}: this table selects no plugin; remove 'plugin'")

@@ -6,6 +6,7 @@ import dataclasses
 import typing
 from typing import Any
 
+from brigade.device_defaults import GPU_PLUGINS
 from brigade.interfaces.options import option_help
 from brigade.options import describe_type
 from brigade.registry import Registry
@@ -46,6 +47,11 @@ def render_config_reference(registry: Registry, *, distribution_prefix: str = ""
         rows = _rows(station.settings_type)
         if station.kind is not None:
             default = f'`"{station.default_plugin}"`' if station.default_plugin else "none"
+            if station.name in GPU_PLUGINS:
+                default += (
+                    f'; `"{GPU_PLUGINS[station.name]}"` on a CUDA GPU when the table takes '
+                    "its options"
+                )
             parts.append(
                 f"\n`plugin` (default {default}) picks a registered `{station.kind}` component.\n"
             )

@@ -528,10 +528,13 @@ FLAGS: tuple[ServeFlag, ...] = (
         "prompts are never logged; each request logs one request_finished event (token "
         "counts and timings)",
     ),
-    _accepted(
+    _alias(
         "--enforce-eager",
-        "the default executor (torch) is eager; CUDA graphs are opt-in "
-        '([executor] plugin = "cuda-graph")',
+        "executor.plugin",
+        "the eager torch executor; without it a CUDA GPU gets the cuda-graph executor (a CPU "
+        "is always eager)",
+        arity="switch",
+        parse=lambda _: "torch",
     ),
     _accepted("--disable-log-stats", "no periodic stats are logged; scrape GET /metrics"),
     _accepted(

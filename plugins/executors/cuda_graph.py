@@ -73,7 +73,9 @@ class CudaGraphExecutorOptions:
     compile: bool = option(
         False, help="torch.compile the model; compile + graph capture time is logged at startup"
     )
-    device: str = option("cuda", help="'cuda' or 'cuda:N'", pattern=r"cuda(:\d+)?")
+    device: str = option(
+        "cuda", help="'cuda' or 'cuda:N'; 'auto' is 'cuda'", pattern=r"auto|cuda(:\d+)?"
+    )
 
     def __post_init__(self) -> None:
         check_capture_sizes(self.capture_sizes)
@@ -100,8 +102,9 @@ class CudaGraphExecutor(TorchExecutor):
         runner: GraphRunner | None = None,
     ) -> None:
         """``runner`` captures the graphs (default: CUDA graphs on this executor's device)."""
-        self.check_device(options.device)
-        super().__init__(params, TorchExecutorOptions(device=options.device))
+        device = "cuda" if options.device == "auto" else options.device
+        self.check_device(device)
+        super().__init__(params, TorchExecutorOptions(device=device))
         self.runner = runner if runner is not None else CudaGraphRunner(self.device)
         self.capture_sizes = check_capture_sizes(options.capture_sizes)
         self.graphs_enabled = type(self.attention).supports_cuda_graphs

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from brigade.cli import main
 from brigade.config import EngineConfig, load_config
@@ -109,6 +110,15 @@ def test_each_flag_sets_the_config_key_it_names(
     assert flag is None or flag.key == key, "the table names another key"
 
 
+def test_enforce_eager_keeps_a_gpu_on_the_eager_executor(
+    served: list, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU, declared
+    assert value(effective(served, []), "executor.plugin") == "cuda-graph"
+    assert value(effective(served, ["--enforce-eager"]), "executor.plugin") == "torch"
+    assert BY_NAME["--enforce-eager"].key == "executor.plugin"
+
+
 def test_speculative_config_sets_the_method_and_its_options(served: list) -> None:
     config = effective(
         served,
@@ -144,6 +154,7 @@ def test_speculative_config_sets_the_method_and_its_options(served: list) -> Non
 
 def test_every_alias_in_the_table_has_a_case() -> None:
     tested = {BY_NAME[argv[0]].names[0] for argv, _, _ in ALIAS_CASES if argv[0] in BY_NAME}
+    tested.add("--enforce-eager")  # its own test: the default it changes is a GPU's
     assert tested == {f.names[0] for f in ALIASES}
 
 

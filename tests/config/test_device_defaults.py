@@ -1,0 +1,84 @@
+"""On a CUDA GPU, a station whose table names no plugin gets the GPU's fast path (the
+cuda-graph executor, triton attention); elsewhere, and wherever the user chose, nothing moves.
+CUDA is declared with a patched ``torch.cuda.is_available``: only the choice is tested here
+(scripts/gpu_check.sh runs the chosen plugins on a GPU)."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from brigade.config import load_config
+from brigade.errors import ConfigError
+from brigade.registry import Registry, load_registry
+
+
+@pytest.fixture(scope="module")
+def registry() -> Registry:
+    return load_registry()
+
+
+def chosen(registry: Registry, *overrides: str) -> tuple[str, str]:
+    config = load_config(None, registry, overrides=overrides, environ={})
+    return config.plugin("executor"), config.plugin("attention")
+
+
+@pytest.fixture
+def gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+
+@pytest.mark.usefixtures("gpu")
+@pytest.mark.parametrize(
+    "device",
+    [(), ("executor.device=auto",), ("executor.device=cuda",), ("executor.device=cuda:1",)],
+)
+def test_a_gpu_gets_graphs_and_triton(registry: Registry, device: Sequence[str]) -> None:
+    assert chosen(registry, *device) == ("cuda-graph", "triton")
+    # The cuda-graph executor's own options ride along.
+    assert chosen(registry, *device, "executor.compile=true") == ("cuda-graph", "triton")
+
+
+@pytest.mark.usefixtures("gpu")
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["executor.device=cpu"], ("torch", "sdpa")),  # the model runs on the CPU
+        (["executor.plugin=torch"], ("torch", "triton")),  # eager, as named (--enforce-eager)
+        (["attention.plugin=sdpa"], ("cuda-graph", "sdpa")),
+        (["executor.tensor_parallel_size=2"], ("torch", "triton")),  # an option of torch's
+        (["attention.native_decode=false"], ("cuda-graph", "sdpa")),  # an option of sdpa's
+        (["executor.plugin=simulated"], ("simulated", "sdpa")),  # it knows its device
+    ],
+)
+def test_what_is_named_keeps_its_plugin(
+    registry: Registry, overrides: list[str], expected: tuple[str, str]
+) -> None:
+    assert chosen(registry, *overrides) == expected
+
+
+@pytest.mark.usefixtures("gpu")
+def test_a_bad_value_gets_the_gpu_plugins_own_message(registry: Registry) -> None:
+    with pytest.raises(ConfigError, match="capture_sizes"):
+        chosen(registry, "executor.capture_sizes=[0]")
+
+
+def test_without_a_gpu_nothing_moves(registry: Registry, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert chosen(registry) == ("torch", "sdpa")
+    # A CUDA device named where there is none keeps the torch executor and its clear error.
+    assert chosen(registry, "executor.device=cuda") == ("torch", "sdpa")
+
+
+@pytest.mark.usefixtures("gpu")
+def test_without_triton_attention_stays_sdpa(
+    registry: Registry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a)
+    )
+    assert chosen(registry) == ("cuda-graph", "sdpa")
