@@ -62,6 +62,8 @@ class Variant:
     settings: tuple[str, ...] = ()
     graphed: bool = False
     """The executor must be a :class:`CudaGraphExecutor` (real or imitated graphs)."""
+    attention: str | None = None
+    """The attention backend the engine must have chosen, where the variant names none."""
 
 
 def gpu(variant: Variant, name: str) -> Any:
@@ -107,6 +109,12 @@ VARIANTS = [
             graphed=True,
         ),
         "cuda-bf16-cuda-graph",
+    ),
+    gpu(  # no executor or attention named: a GPU's defaults (core/device_defaults.py)
+        Variant(
+            "cuda", "bfloat16", BF16_TIE_MARGIN, size="small", graphed=True, attention="triton"
+        ),
+        "cuda-bf16-defaults",
     ),
 ]
 
@@ -174,6 +182,8 @@ def test_greedy_matches_transformers_generate(
     ours = [o.outputs[0].token_ids for o in llm.generate(token_prompts, GREEDY, use_tqdm=False)]
     executor = llm.engine.executor
     assert isinstance(executor, CudaGraphExecutor) == variant.graphed, type(executor)
+    if variant.attention is not None:
+        assert type(executor.attention).name == variant.attention
     assert llm.engine.num_steps > GREEDY.max_tokens, "the budget should have forced chunking"
     del llm, executor  # free the KV pool and graphs before the reference loads
 
