@@ -67,6 +67,13 @@ class EngineConfig:
     stations: Mapping[str, StationConfig]
     source: str
     """Where it came from (file path or '(defaults)'), for error messages."""
+    machine_defaults: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """Station -> the plugin this machine gives it where the config names none (a CUDA GPU's,
+    ``brigade.device_defaults``); the other stations' default is their static one."""
+
+    def default_plugin(self, station: str) -> str | None:
+        """The plugin ``station`` gets when the config names none, on this machine."""
+        return self.machine_defaults.get(station) or STATIONS[station].default_plugin
 
     def __getitem__(self, station: str) -> StationConfig:
         return self.stations[station]
@@ -104,16 +111,16 @@ def load_config(
             f"{source}: unknown table [{unknown[0]}]; tables are {', '.join(STATIONS)}"
         )
     defaults = machine_defaults(tables, registry)
-    if defaults:
+    if taken := {s: p for s, p in defaults.items() if "plugin" not in tables.get(s, {})}:
         logger.info(
             "a CUDA GPU: %s (name a plugin to choose another)",
-            ", ".join(f"[{station}] plugin = {plugin!r}" for station, plugin in defaults.items()),
+            ", ".join(f"[{station}] plugin = {plugin!r}" for station, plugin in taken.items()),
         )
     stations = {
         name: _build_station(station, tables.get(name, {}), registry, source, defaults.get(name))
         for name, station in STATIONS.items()
     }
-    return EngineConfig(stations=stations, source=source)
+    return EngineConfig(stations=stations, source=source, machine_defaults=defaults)
 
 
 def check_config(

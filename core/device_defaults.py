@@ -32,8 +32,8 @@ _EAGER_EXECUTORS = ("torch", "cuda-graph")
 
 
 def machine_defaults(tables: Mapping[str, Mapping[str, Any]], registry: Registry) -> dict[str, str]:
-    """Station -> plugin for the stations whose table names none and that have a faster
-    default on this machine; empty off a CUDA GPU."""
+    """Station -> plugin for the stations that have a faster default on this machine (taken
+    where the table names no plugin); empty off a CUDA GPU."""
     executor = tables.get("executor", {})
     if executor.get("plugin", "torch") not in _EAGER_EXECUTORS:
         return {}  # simulated, or a third party's: it knows its device
@@ -43,7 +43,7 @@ def machine_defaults(tables: Mapping[str, Mapping[str, Any]], registry: Registry
     chosen = {}
     for station, plugin in GPU_PLUGINS.items():
         table = tables.get(station, {})
-        if "plugin" not in table and _takes(registry, station, plugin, table):
+        if _takes(registry, station, plugin, table):
             chosen[station] = plugin
     if "attention" in chosen and importlib.util.find_spec("triton") is None:
         del chosen["attention"]
@@ -59,4 +59,4 @@ def _takes(registry: Registry, station: str, plugin: str, table: Mapping[str, An
         return False
     settings = {f.name for f in dataclasses.fields(STATIONS[station].settings_type)}
     taken = {f.name for f in dataclasses.fields(options_type)}
-    return all(key in settings or key in taken for key in table)
+    return all(key in settings or key in taken for key in table if key != "plugin")

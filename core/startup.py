@@ -19,12 +19,11 @@ GIB = 1 << 30
 
 
 def changed_settings(config: EngineConfig) -> list[str]:
-    """``station.key=value`` for every setting that differs from its default, plugins first."""
-    from brigade.stations import STATIONS
-
+    """``station.key=value`` for every setting that differs from its default (a plugin from
+    this machine's default: a CUDA GPU's executor and attention), plugins first."""
     changed: list[str] = []
     for name, station in config.stations.items():
-        if station.plugin is not None and station.plugin != STATIONS[name].default_plugin:
+        if station.plugin is not None and station.plugin != config.default_plugin(name):
             changed.append(f"{name}.plugin={station.plugin}")
         for values in (station.settings, station.options):
             if values is None or not dataclasses.is_dataclass(values) or isinstance(values, type):

@@ -14,6 +14,7 @@ import torch
 from brigade.config import load_config
 from brigade.errors import ConfigError
 from brigade.registry import Registry, load_registry
+from brigade.startup import changed_settings
 
 
 @pytest.fixture(scope="module")
@@ -82,3 +83,12 @@ def test_without_triton_attention_stays_sdpa(
         importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a)
     )
     assert chosen(registry) == ("cuda-graph", "sdpa")
+
+
+@pytest.mark.usefixtures("gpu")
+def test_the_banner_counts_the_machines_choice_as_a_default(registry: Registry) -> None:
+    config = load_config(None, registry, environ={})
+    assert config.default_plugin("executor") == "cuda-graph"
+    assert changed_settings(config) == []
+    eager = load_config(None, registry, overrides=["executor.plugin=torch"], environ={})
+    assert changed_settings(eager) == ["executor.plugin=torch"]
