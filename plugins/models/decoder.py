@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from brigade.device_defaults import triton_runs_on
 from brigade.interfaces import AttentionBackend, AttentionLayer
 from brigade.plugins.attention.cpu_kernels import cpu_ops
 from brigade.plugins.executors.cpu_gemm import CpuLinear, mark_gate_up
@@ -49,24 +50,25 @@ class Fusion:
     def ops(self, x: torch.Tensor) -> Any:
         """What runs the small operations on eager tensors like ``x``: ``torch.ops.brigade_cpu``
         (float32 or bfloat16 on a CPU, once built) or ``triton_fused`` (float32, bfloat16 or
-        float16 on a CUDA GPU, where Triton imports), both with rms_norm, add_rms_norm,
+        float16 on a CUDA GPU of Ampere or later with Triton), both with rms_norm, add_rms_norm,
         silu_mul and rope; None elsewhere, and under torch.compile, which fuses."""
         if not self.enabled or torch.compiler.is_compiling():
             return None
         if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
             return cpu_ops()
         if x.device.type == "cuda" and x.dtype in (torch.float32, torch.bfloat16, torch.float16):
-            return _triton_fused()
+            return _triton_fused(x.device.index or 0)
         return None
 
 
 @functools.cache
-def _triton_fused() -> Any:
-    """The Triton kernels' module, or None where Triton does not import."""
-    try:
-        from brigade.plugins.models import triton_fused
-    except ImportError:
+def _triton_fused(index: int) -> Any:
+    """The Triton kernels' module for CUDA device ``index``, or None where they are not used
+    (Triton missing, a GPU older than Ampere: ``triton_runs_on``)."""
+    if not triton_runs_on(index):
         return None
+    from brigade.plugins.models import triton_fused
+
     return triton_fused
 
 

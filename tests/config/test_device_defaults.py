@@ -6,13 +6,15 @@ CUDA is declared with a patched ``torch.cuda.is_available``: only the choice is 
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import pytest
 import torch
 
 from brigade.config import load_config
+from brigade.device_defaults import triton_runs_on
 from brigade.errors import ConfigError
+from brigade.plugins.models import decoder, triton_fused
 from brigade.registry import Registry, load_registry
 from brigade.startup import changed_settings
 
@@ -29,7 +31,26 @@ def chosen(registry: Registry, *overrides: str) -> tuple[str, str]:
 
 @pytest.fixture
 def gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An H200, declared."""
+    declare_gpu(monkeypatch, (9, 0))
+
+
+def declare_gpu(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int]) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
+    triton_runs_on.cache_clear()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_answers() -> Iterator[None]:
+    """``triton_runs_on`` and the decoder's choice cache per device: no test sees another's
+    GPU."""
+    for cached in (triton_runs_on, decoder._triton_fused):
+        cached.cache_clear()
+    yield
+    for cached in (triton_runs_on, decoder._triton_fused):
+        cached.cache_clear()
 
 
 @pytest.mark.usefixtures("gpu")
@@ -72,6 +93,23 @@ def test_without_a_gpu_nothing_moves(registry: Registry, monkeypatch: pytest.Mon
     assert chosen(registry) == ("torch", "sdpa")
     # A CUDA device named where there is none keeps the torch executor and its clear error.
     assert chosen(registry, "executor.device=cuda") == ("torch", "sdpa")
+
+
+def test_a_gpu_older_than_ampere_keeps_sdpa(
+    registry: Registry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    declare_gpu(monkeypatch, (7, 5))  # a T4
+    assert chosen(registry) == ("cuda-graph", "sdpa")
+
+
+def test_the_decoder_takes_the_triton_kernels_by_the_same_rule(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    declare_gpu(monkeypatch, (7, 5))
+    assert decoder._triton_fused(0) is None
+    declare_gpu(monkeypatch, (8, 0))
+    decoder._triton_fused.cache_clear()
+    assert decoder._triton_fused(0) is triton_fused
 
 
 @pytest.mark.usefixtures("gpu")
