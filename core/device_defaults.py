@@ -12,25 +12,20 @@ of ``sdpa``) keeps the static default, whose options those are.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import importlib.util
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from brigade.errors import UnknownComponentError
+from brigade.plugins.attention.triton_backend import triton_runs_on
 from brigade.registry import Registry
 from brigade.stations import STATIONS
 
-__all__ = ["GPU_PLUGINS", "MIN_TRITON_CAPABILITY", "machine_defaults", "triton_runs_on"]
+__all__ = ["GPU_PLUGINS", "machine_defaults"]
 
 GPU_PLUGINS = {"executor": "cuda-graph", "attention": "triton"}
 """Station -> the plugin it gets on a CUDA GPU when its table names none."""
-
-MIN_TRITON_CAPABILITY = (8, 0)
-"""The oldest GPUs given Brigade's Triton kernels unasked: Ampere. The kernels ran on an H200
-(9.0); bf16 in Triton needs 8.0. Older GPUs keep sdpa and torch's operations."""
 
 _EAGER_EXECUTORS = ("torch", "cuda-graph")
 """Executors whose ``device`` option says where the model runs."""
@@ -50,21 +45,11 @@ def machine_defaults(tables: Mapping[str, Mapping[str, Any]], registry: Registry
         table = tables.get(station, {})
         if _takes(registry, station, plugin, table):
             chosen[station] = plugin
-    index = torch.device("cuda" if device == "auto" else device).index
     if "attention" in chosen and not triton_runs_on(
-        torch.cuda.current_device() if index is None else index
+        torch.device("cuda" if device == "auto" else device).index
     ):
         del chosen["attention"]
     return chosen
-
-
-@functools.cache
-def triton_runs_on(index: int) -> bool:
-    """Whether Brigade's Triton kernels are used unasked on CUDA device ``index``: Triton
-    imports and the GPU is at least ``MIN_TRITON_CAPABILITY``."""
-    if importlib.util.find_spec("triton") is None:
-        return False
-    return torch.cuda.get_device_capability(index) >= MIN_TRITON_CAPABILITY
 
 
 def _takes(registry: Registry, station: str, plugin: str, table: Mapping[str, Any]) -> bool:

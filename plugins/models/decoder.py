@@ -29,9 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from brigade.device_defaults import triton_runs_on
 from brigade.interfaces import AttentionBackend, AttentionLayer
 from brigade.plugins.attention.cpu_kernels import cpu_ops
+from brigade.plugins.attention.triton_backend import triton_runs_on
 from brigade.plugins.executors.cpu_gemm import CpuLinear, mark_gate_up
 from brigade.plugins.models.config import DecoderConfig
 from brigade.plugins.models.parallel import TensorParallel, all_reduce, gather_vocab

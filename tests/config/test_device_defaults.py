@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from brigade.config import load_config
-from brigade.device_defaults import triton_runs_on
 from brigade.errors import ConfigError
+from brigade.plugins.attention.triton_backend import triton_runs_on
 from brigade.plugins.models import decoder, triton_fused
 from brigade.registry import Registry, load_registry
 from brigade.startup import changed_settings
@@ -37,7 +37,6 @@ def gpu(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def declare_gpu(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int]) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
     triton_runs_on.cache_clear()
 
