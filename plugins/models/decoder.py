@@ -13,9 +13,9 @@ both paths run one implementation.
 
 The small operations between the GEMMs (RMSNorm, the residual add before the post-attention
 norm, SiLU-mul, RoPE) run fused: on a CPU in float32 or bfloat16 as Brigade's C++ kernels
-(``brigade.plugins.attention.cpu_kernels``) when they can be built, on a CUDA GPU as Triton
-kernels (``brigade.plugins.models.triton_fused``) when Triton imports, and as the torch
-operations transformers uses otherwise; :class:`Fusion` decides.
+(``brigade.plugins.attention.cpu_kernels``) when they can be built, on a CUDA GPU of Ampere or
+later as Triton kernels (``brigade.plugins.models.triton_fused``) when Triton imports, and as the
+torch operations transformers uses otherwise; :class:`Fusion` decides.
 """
 
 from __future__ import annotations

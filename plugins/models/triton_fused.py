@@ -8,7 +8,8 @@ graphs spent about as long in those ~430 small launches as in its GEMMs (docs/gp
 Arithmetic is float32 in transformers' order, rounded to the activation dtype wherever
 transformers' chain of torch operations rounds (after the normalisation and after the weight;
 after SiLU and after the product; after each RoPE product and after their sum), so bf16 and
-fp16 results equal the torch operations' up to float32 summation order in the norm.
+fp16 results equal the torch operations' up to a unit or two in the last place, from the norm's
+float32 summation order and Triton's exp in SiLU (RoPE's are bit for bit).
 
 Layouts: every tensor of one dtype (float32, bfloat16 or float16) with a contiguous last
 dimension; rows may be strided (views such as the q/k/v columns of a fused projection's
