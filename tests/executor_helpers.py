@@ -90,3 +90,13 @@ class CountingOps:
     def __getattr__(self, name: str) -> object:
         self._calls.append(name)
         return getattr(self._ops, name)
+
+
+def strided_rows(
+    rows: int, width: int, seed: int, device: str = "cpu", dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """[rows, width] as a column slice of a wider tensor (rows not contiguous): how the fused
+    operations meet q/k/v and gate/up columns of a fused projection's output."""
+    generator = torch.Generator().manual_seed(seed)
+    wide = torch.randn(rows, width + 40, generator=generator)
+    return wide.to(device=device, dtype=dtype)[:, 17 : 17 + width]

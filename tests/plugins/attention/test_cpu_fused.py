@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from executor_helpers import CountingOps, make_executor
+from executor_helpers import CountingOps, make_executor, strided_rows
 
 from brigade.model_input import SeqChunk, build_model_input
 from brigade.models.create import create_model
@@ -32,16 +32,10 @@ def _reference_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     return weight * (x * torch.rsqrt(variance + eps))
 
 
-def _strided(rows: int, width: int, seed: int) -> torch.Tensor:
-    """[rows, width] as a column slice of a wider tensor (rows not contiguous)."""
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randn(rows, width + 40, generator=generator)[:, 17 : 17 + width]
-
-
 @pytest.mark.parametrize("rows", ROWS)
 def test_rms_norm_and_add_rms_norm_equal_transformers_arithmetic(ops: object, rows: int) -> None:
     weight = torch.randn(96, generator=torch.Generator().manual_seed(1))
-    x, delta = _strided(rows, 96, 2), _strided(rows, 96, 3) * 4
+    x, delta = strided_rows(rows, 96, 2), strided_rows(rows, 96, 3) * 4
     torch.testing.assert_close(ops.rms_norm(x, weight, 1e-6), _reference_norm(x, weight, 1e-6))  # type: ignore[attr-defined]
     total, normed = ops.add_rms_norm(x, delta, weight, 1e-5)  # type: ignore[attr-defined]
     torch.testing.assert_close(total, x + delta, rtol=0, atol=0)
@@ -50,7 +44,7 @@ def test_rms_norm_and_add_rms_norm_equal_transformers_arithmetic(ops: object, ro
 
 @pytest.mark.parametrize("rows", ROWS)
 def test_silu_mul_equals_silu_of_gate_times_up(ops: object, rows: int) -> None:
-    gate_up = _strided(rows, 2 * 80, 4) * 6
+    gate_up = strided_rows(rows, 2 * 80, 4) * 6
     gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -20.0])  # saturated and zero gates
     gate, up = gate_up.split(80, dim=-1)
     out = ops.silu_mul(gate_up)  # type: ignore[attr-defined]
@@ -89,7 +83,7 @@ def test_bfloat16_kernels_round_where_transformers_bfloat16_operations_do(
     ops: object, rows: int
 ) -> None:
     weight = torch.randn(96, generator=torch.Generator().manual_seed(1)).bfloat16()
-    x, delta = _strided(rows, 96, 2).bfloat16(), (_strided(rows, 96, 3) * 4).bfloat16()
+    x, delta = strided_rows(rows, 96, 2).bfloat16(), (strided_rows(rows, 96, 3) * 4).bfloat16()
     norm = RMSNorm(96, 1e-6, torch.bfloat16)  # the torch operations, as transformers runs them
     norm.weight.data.copy_(weight)
     _mostly_equal(ops.rms_norm(x, weight, 1e-6), norm(x))  # type: ignore[attr-defined]
@@ -97,7 +91,7 @@ def test_bfloat16_kernels_round_where_transformers_bfloat16_operations_do(
     assert torch.equal(total, x + delta)
     _mostly_equal(normed, norm(x + delta))
 
-    gate_up = (_strided(rows, 2 * 80, 4) * 6).bfloat16()
+    gate_up = (strided_rows(rows, 2 * 80, 4) * 6).bfloat16()
     gate, up = gate_up.split(80, dim=-1)
     _mostly_equal(ops.silu_mul(gate_up), F.silu(gate) * up)  # type: ignore[attr-defined]
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from executor_helpers import CountingOps, make_executor
+from executor_helpers import CountingOps, make_executor, strided_rows
 from triton_helpers import DEVICE, INTERPRETED, gpu_only, needs_kernels
 
 from brigade.model_input import SeqChunk, build_model_input
@@ -26,10 +26,7 @@ pytestmark = needs_kernels
 
 
 def _strided(rows: int, width: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """[rows, width] as a column slice of a wider tensor (rows not contiguous)."""
-    generator = torch.Generator().manual_seed(seed)
-    wide = torch.randn(rows, width + 40, generator=generator)
-    return wide.to(device=DEVICE, dtype=dtype)[:, 17 : 17 + width]
+    return strided_rows(rows, width, seed, DEVICE, dtype)
 
 
 def _torch_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
