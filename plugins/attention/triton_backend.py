@@ -60,6 +60,15 @@ class TritonAttentionOptions:
         choices=_TILE_SIZES,
     )
     prefill_block_n: int = option(64, help="keys per prefill tile", choices=_TILE_SIZES)
+    prefill_num_warps: int = option(
+        0, help="warps per prefill program; 0 = Triton's default (4)", choices=(0, 1, 2, 4, 8, 16)
+    )
+    prefill_num_stages: int = option(
+        0,
+        help="software-pipelining stages of the prefill's K/V loads; 0 = Triton's default",
+        ge=0,
+        le=6,
+    )
 
 
 def triton_interpreting() -> bool:
@@ -156,6 +165,9 @@ class TritonBackend(AttentionBackend):
 
     def __init__(self, options: TritonAttentionOptions | None = None) -> None:
         self.options = options if options is not None else TritonAttentionOptions()
+        launch = {"num_warps": self.options.prefill_num_warps}
+        launch["num_stages"] = self.options.prefill_num_stages
+        self._prefill_launch = {name: value for name, value in launch.items() if value}
 
     @classmethod
     def supported_page_sizes(cls, options: Any) -> PageSizeRule:
@@ -253,6 +265,7 @@ class TritonBackend(AttentionBackend):
                 output.stride(0), output.stride(1),
                 GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_M=block_m,
                 BLOCK_Q=block_q, BLOCK_N=self.options.prefill_block_n, BLOCK_D=block_d,
+                **self._prefill_launch,
             )  # fmt: skip
         return output
 

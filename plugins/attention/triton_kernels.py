@@ -286,48 +286,31 @@ def prefill_kernel(
     )  # [BLOCK_M, BLOCK_D]
     query_pos = num_computed + offs_q  # [BLOCK_M]
 
-    # Keys this block can see: from the first token's window start to the last token.
-    first = num_computed + block_q * BLOCK_Q - window + 1
-    first = tl.where(window > 0, tl.maximum(first, 0), 0)
+    # Keys this block can see: from the first token's window start to the last token. Without
+    # a window every key before the block's first token is seen by all its tokens: those tiles
+    # skip the mask; the rest (the diagonal, or everything under a window) apply it.
+    first_pos = num_computed + block_q * BLOCK_Q
     end = num_computed + tl.minimum((block_q + 1) * BLOCK_Q, query_len)
+    first = tl.where(window > 0, tl.maximum(first_pos - window + 1, 0), 0)
+    unmasked_end = tl.where(window > 0, first, (first_pos // BLOCK_N) * BLOCK_N)
 
     table_ptr = block_tables_ptr + row.to(tl.int64) * stride_table_row
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for block_start in range(first, end, BLOCK_N):
-        offs_n = block_start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
-        mask_n = offs_n < end
-        pages = tl.load(table_ptr + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
-        slots = (
-            pages * stride_cache_page
-            + (offs_n % PAGE_SIZE) * stride_cache_slot
-            + kv_head * stride_cache_head
-        )  # [BLOCK_N] element offsets of the keys' rows in either pool
-        keys = tl.load(
-            key_cache_ptr + slots[None, :] + offs_d[:, None],
-            mask=mask_d[:, None] & mask_n[None, :],
-            other=0.0,
-        )  # [BLOCK_D, BLOCK_N], transposed for the dot
-        scores = tl.dot(query, keys.to(query.dtype), input_precision="ieee") * scale
-        relative = query_pos[:, None] - offs_n[None, :]  # [BLOCK_M, BLOCK_N]
-        allowed = mask_n[None, :] & (relative >= 0) & ((window <= 0) | (relative < window))
-        scores = tl.where(allowed, scores, float("-inf"))
-        # A query may see no key of a tile (window); keep its row at zero, not NaN.
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        probs = tl.exp(scores - m_safe[:, None])
-        values = tl.load(
-            value_cache_ptr + slots[:, None] + offs_d[None, :],
-            mask=mask_n[:, None] & mask_d[None, :],
-            other=0.0,
-        )  # [BLOCK_N, BLOCK_D]
-        l_i = l_i * alpha + tl.sum(probs, 1)
-        acc = acc * alpha[:, None] + tl.dot(
-            probs.to(query.dtype), values.to(query.dtype), input_precision="ieee"
-        )
-        m_i = m_new
+    qk_scale = scale * 1.4426950408889634  # log2(e): exp2 below, as exp(x) = exp2(x log2 e)
+    for block_start in range(first, unmasked_end, BLOCK_N):
+        acc, l_i, m_i = _prefill_tile(
+            acc, l_i, m_i, query, key_cache_ptr, value_cache_ptr, table_ptr, block_start,
+            end, query_pos, window, qk_scale, kv_head * stride_cache_head, offs_d, mask_d,
+            stride_cache_page, stride_cache_slot, PAGE_SIZE, BLOCK_N, False,
+        )  # fmt: skip
+    for block_start in range(unmasked_end, end, BLOCK_N):
+        acc, l_i, m_i = _prefill_tile(
+            acc, l_i, m_i, query, key_cache_ptr, value_cache_ptr, table_ptr, block_start,
+            end, query_pos, window, qk_scale, kv_head * stride_cache_head, offs_d, mask_d,
+            stride_cache_page, stride_cache_slot, PAGE_SIZE, BLOCK_N, True,
+        )  # fmt: skip
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # every real query sees itself: l_i > 0
     tl.store(
@@ -338,3 +321,64 @@ def prefill_kernel(
         out.to(output_ptr.dtype.element_ty),
         mask=mask_m[:, None] & mask_d[None, :],
     )
+
+
+@triton.jit
+def _prefill_tile(
+    acc,
+    l_i,
+    m_i,
+    query,  # [BLOCK_M, BLOCK_D]
+    key_cache_ptr,
+    value_cache_ptr,
+    table_ptr,  # this row's block table
+    block_start,  # the tile's first key position
+    end,  # one past the last key any query of the block sees
+    query_pos,  # [BLOCK_M]
+    window,
+    qk_scale,  # scale * log2(e)
+    head_offset,  # kv_head * stride_cache_head
+    offs_d,
+    mask_d,
+    stride_cache_page,
+    stride_cache_slot,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """One K/V tile of the prefill's online softmax: the updated (acc, l_i, m_i).
+
+    Unmasked tiles (MASKED False) lie wholly before every query of the block and inside the
+    context: no bounds, causal or window test."""
+    offs_n = block_start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
+    if MASKED:  # noqa: SIM108 - a compile-time branch, as Triton's code generator reads it
+        mask_n = offs_n < end
+    else:
+        mask_n = offs_n >= 0  # all true
+    pages = tl.load(table_ptr + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
+    slots = pages * stride_cache_page + (offs_n % PAGE_SIZE) * stride_cache_slot + head_offset
+    keys = tl.load(
+        key_cache_ptr + slots[None, :] + offs_d[:, None],
+        mask=mask_d[:, None] & mask_n[None, :],
+        other=0.0,
+    )  # [BLOCK_D, BLOCK_N], transposed for the dot
+    scores = tl.dot(query, keys.to(query.dtype), input_precision="ieee") * qk_scale
+    if MASKED:
+        relative = query_pos[:, None] - offs_n[None, :]  # [BLOCK_M, BLOCK_N]
+        allowed = mask_n[None, :] & (relative >= 0) & ((window <= 0) | (relative < window))
+        scores = tl.where(allowed, scores, float("-inf"))
+    # A query may see no key of a tile (window); keep its row at zero, not NaN.
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    probs = tl.exp2(scores - m_safe[:, None])
+    values = tl.load(
+        value_cache_ptr + slots[:, None] + offs_d[None, :],
+        mask=mask_n[:, None] & mask_d[None, :],
+        other=0.0,
+    )  # [BLOCK_N, BLOCK_D]
+    l_i = l_i * alpha + tl.sum(probs, 1)
+    acc = acc * alpha[:, None] + tl.dot(
+        probs.to(query.dtype), values.to(query.dtype), input_precision="ieee"
+    )
+    return acc, l_i, m_new
