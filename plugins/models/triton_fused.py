@@ -7,9 +7,13 @@ torch each is three to seven kernels; on an H200 a batch-1 decode step of a 1B L
 graphs spent about as long in those ~430 small launches as in its GEMMs (docs/gpu.md).
 Arithmetic is float32 in transformers' order, rounded to the activation dtype wherever
 transformers' chain of torch operations rounds (after the normalisation and after the weight;
-after SiLU and after the product; after each RoPE product and after their sum), so bf16 and
-fp16 results equal the torch operations' up to a unit or two in the last place, from the norm's
-float32 summation order and Triton's exp in SiLU (RoPE's are bit for bit).
+after SiLU and after the product), so bf16 and fp16 norms and SiLU-mul equal the torch
+operations' up to a unit or two in the last place, from the norm's float32 summation order and
+Triton's exp. RoPE rounds once, after the sum of its two products (torch, and the CPU kernel,
+round each product too): compiled on an H200, the per-product roundings written in Triton did
+not reproduce torch's results (a unit in the last place apart; the compiler may contract a
+product into an FMA), while one rounding of an exact float32 sum of exact products cannot
+differ, and is the more exact. In float32 RoPE matches torch to float32 rounding.
 
 Layouts: every tensor of one dtype (float32, bfloat16 or float16) with a contiguous last
 dimension; rows may be strided (views such as the q/k/v columns of a fused projection's
@@ -84,8 +88,10 @@ def _rotate(source, target, heads, cols, half, mask, cos, sin):
     first = source + heads * (2 * half) + cols
     x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(first + half, mask=mask, other=0.0).to(tl.float32)
-    out1 = (x1 * cos).to(dtype).to(tl.float32) - (x2 * sin).to(dtype).to(tl.float32)
-    out2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
+    # One rounding, after the sum: a product of two bf16/fp16 values is exact in float32, so
+    # the result does not depend on whether the compiler contracts it into an FMA.
+    out1 = x1 * cos - x2 * sin
+    out2 = x2 * cos + x1 * sin
     out = target + heads * (2 * half) + cols
     tl.store(out, out1.to(dtype), mask=mask)
     tl.store(out + half, out2.to(dtype), mask=mask)

@@ -155,6 +155,7 @@ def test_half_precision_matches_torch(dtype: torch.dtype) -> None:
     torch.testing.assert_close(triton_fused.silu_mul(gate_up), F.silu(gate) * up, **close)
     q, k, cos, sin = _qkv(33, 32, 8, 128, dtype)
     rotated_q, rotated_k = triton_fused.rope(q, k, cos, sin)
-    # Products of two half-precision values are exact in float32: the same roundings.
-    assert torch.equal(rotated_q, apply_rope(q, cos, sin))
-    assert torch.equal(rotated_k, apply_rope(k, cos, sin))
+    # Products of two half-precision values are exact in float32: one rounding, of the sum.
+    cos32, sin32 = cos.float(), sin.float()
+    assert torch.equal(rotated_q, apply_rope(q.float(), cos32, sin32).to(dtype))
+    assert torch.equal(rotated_k, apply_rope(k.float(), cos32, sin32).to(dtype))
