@@ -4,8 +4,8 @@ the parser's arguments (:mod:`brigade.serve_args`) and the tables of docs/vllm.m
 A flag is one of three things:
 
 - an **alias** of a config key: its value, mapped from vLLM's spelling where it differs
-  (``--dtype half`` is ``float16``, ``--max-model-len 32K`` is 32768), becomes the ``--set``
-  override of that key;
+  (``--dtype half`` is ``float16``, ``--max-model-len 32K`` is 32768, by the parsers of
+  :mod:`brigade.serve_flag_values`), becomes the ``--set`` override of that key;
 - **accepted**: vLLM's meaning is already what Brigade does; a one-line note says so;
 - **refused**: Brigade has no such feature; a one-line error names the flag and, where there
   is one, the Brigade equivalent.
@@ -14,12 +14,26 @@ A flag is one of three things:
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
-import re
-from collections.abc import Callable, Sequence
-from decimal import Decimal
+from collections.abc import Callable
 from typing import Any, Literal
+
+from brigade.serve_flag_values import (
+    choice,
+    device,
+    dtype,
+    executor_backend,
+    gib,
+    hermes,
+    integer,
+    kv_cache_dtype,
+    one_name,
+    pooler_config,
+    rank_count,
+    runner,
+    scheduling_policy,
+    speculative_config,
+    token_count,
+)
 
 __all__ = ["FLAGS", "ServeFlag"]
 
@@ -84,226 +98,6 @@ def _refused(names: str | tuple[str, ...], reason: str) -> ServeFlag:
     return ServeFlag((names,) if isinstance(names, str) else names, reason, "refused")
 
 
-# --- vLLM values -> Brigade values --------------------------------------------------------
-
-_DECIMAL_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
-_BINARY_SUFFIXES = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-
-
-def _token_count(text: str) -> int:
-    """vLLM's human-readable integers: 4096; 4k = 4000 and 25.6k = 25600 (k m g t are powers
-    of 1000); 32K = 32768 (K M G T are powers of 1024, whole numbers only)."""
-    if text.strip().lower() in ("auto", "-1"):
-        raise ValueError(
-            "Brigade does not fit the length to memory (vLLM's auto and -1); leave the flag "
-            "out for the model's own limit, or give a length"
-        )
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)", text.strip())
-    if match is None or ("." in match[1] and match[2] not in _DECIMAL_SUFFIXES):
-        raise ValueError(
-            "expected a token count such as 4096, 4k (4000), 25.6k or 32K (32768); decimals "
-            "only with k, m, g or t"
-        )
-    number, suffix = Decimal(match[1]), match[2]
-    count = int(number * _DECIMAL_SUFFIXES.get(suffix, _BINARY_SUFFIXES.get(suffix, 1)))
-    if count < 1:
-        raise ValueError("expected at least 1 token")
-    return count
-
-
-def _integer(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError("expected an integer") from None
-
-
-def _rank_count(text: str) -> int:
-    try:
-        count = int(text)
-    except ValueError:
-        raise ValueError("expected a whole number of ranks, 1 or more") from None
-    if count < 1:
-        raise ValueError("expected a whole number of ranks, 1 or more")
-    return count
-
-
-def _executor_backend(text: str) -> str:
-    if text in ("mp", "uni"):
-        return "mp"
-    if text == "ray":
-        return "ray"
-    raise ValueError(
-        "expected mp, uni or ray (external_launcher, torchrun starting every rank itself, is "
-        "not supported: Brigade starts its ranks)"
-    )
-
-
-def _gib(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 <= value < math.inf:
-        raise ValueError("expected a number of GiB >= 0")
-    return value
-
-
-def _choice(mapping: dict[str, str], *, refused: str = "") -> Callable[[str], str]:
-    def parse(text: str) -> str:
-        if text in mapping:
-            return mapping[text]
-        allowed = f"allowed: {', '.join(mapping)}"
-        raise ValueError(f"{refused}; {allowed}" if refused and text.startswith("fp8") else allowed)
-
-    return parse
-
-
-_dtype = _choice(
-    {
-        "auto": "auto",
-        "half": "float16",
-        "float16": "float16",
-        "bfloat16": "bfloat16",
-        "float": "float32",
-        "float32": "float32",
-    }
-)
-_kv_cache_dtype = _choice(
-    {
-        "auto": "auto",
-        "bfloat16": "bfloat16",
-        "float16": "float16",
-        "half": "float16",
-        "float32": "float32",
-    },
-    refused="there is no fp8 KV cache yet",
-)
-_scheduling_policy = _choice({"fcfs": "fcfs", "priority": "priority"})
-
-
-def _device(text: str) -> str:
-    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", text):
-        raise ValueError("allowed: auto, cpu, cuda, cuda:N")
-    return text
-
-
-def _one_name(names: Sequence[str]) -> str:
-    if len(names) > 1:
-        raise ValueError(
-            f"Brigade serves one model name and has no aliases yet, so a client naming "
-            f"{names[1]!r} would get 404; give one name (put MODEL before the flags if "
-            f"{names[-1]!r} was meant as the model)"
-        )
-    return names[0]
-
-
-def _hermes(text: str) -> str:
-    if text != "hermes":
-        raise ValueError(
-            "Brigade reads tool calls in the hermes format (`<tool_call>JSON</tool_call>`) only; "
-            "allowed: hermes"
-        )
-    return text
-
-
-def _runner(text: str) -> str:
-    if text not in ("auto", "generate", "pooling", "embed", "none"):
-        raise ValueError(
-            "Brigade serves generation and embeddings from one engine and has no other "
-            "runner (classify, score, reward, transcription: not implemented yet); allowed: "
-            "auto, generate, pooling, embed, none"
-        )
-    return text
-
-
-def _pooler_config(text: str) -> str:
-    """vLLM's ``--pooler-config`` JSON -> ``server.embedding_pooling``."""
-    try:
-        config = json.loads(text)
-    except ValueError:
-        config = None
-    if not isinstance(config, dict):
-        raise ValueError('expected a JSON object such as \'{"pooling_type": "MEAN"}\'')
-    others = sorted(set(config) - {"pooling_type"})
-    if others:
-        raise ValueError(
-            f"only pooling_type is supported, not {', '.join(others)} (normalization: "
-            "--set server.embedding_normalize=false)"
-        )
-    kind = str(config.get("pooling_type", "LAST")).upper()
-    if kind not in ("LAST", "MEAN"):
-        raise ValueError(f"pooling_type {kind} is not supported; allowed: LAST, MEAN")
-    return kind.lower()
-
-
-_SPECULATIVE_KEYS = {
-    "num_speculative_tokens": "num_speculative_tokens",
-    "disable_by_batch_size": "max_batch_size",
-    "prompt_lookup_max": "max_n",
-    "prompt_lookup_min": "min_n",
-    "suffix_decoding_max_tree_depth": "max_depth",
-    "suffix_decoding_max_cached_requests": "max_cached_requests",
-    "suffix_decoding_max_spec_factor": "max_spec_factor",
-    "suffix_decoding_min_token_prob": "min_probability",
-    "model": "model",
-}
-"""vLLM's ``--speculative-config`` keys -> ``[speculative]`` keys (the method's options)."""
-_METHOD_KEYS = frozenset(
-    key
-    for key in _SPECULATIVE_KEYS
-    if key.startswith(("prompt_lookup", "suffix_decoding", "model"))
-)
-"""Keys that belong to one method (the prefix of its keys in ``_speculative_config``)."""
-_SPECULATIVE_METHODS = {"ngram": "ngram", "suffix": "suffix", "draft_model": "draft-model"}
-"""vLLM's method names -> Brigade's proposers."""
-
-
-def _speculative_config(text: str) -> dict[str, Any]:
-    """vLLM's ``--speculative-config`` JSON -> the ``[speculative]`` keys it sets (``plugin``,
-    the shared settings and the method's options)."""
-    try:
-        config = json.loads(text)
-    except ValueError:
-        config = None
-    if not isinstance(config, dict):
-        raise ValueError(
-            'expected a JSON object such as \'{"method": "ngram", "num_speculative_tokens": 5}\''
-        )
-    method = config.get("method")
-    if method is None and "model" in config:
-        method = "draft_model"
-    plugin = _SPECULATIVE_METHODS.get(method)  # type: ignore[arg-type]
-    if plugin is None:
-        raise ValueError(
-            f"method {method!r} is not implemented yet (EAGLE, MTP and Medusa heads "
-            f"included); allowed: {', '.join(_SPECULATIVE_METHODS)}"
-        )
-    # Each method's own keys: the others' are refused, not ignored.
-    own = {"ngram": "prompt_lookup", "suffix": "suffix_decoding", "draft-model": "model"}[plugin]
-    table: dict[str, Any] = {"plugin": plugin}
-    unknown = []
-    for key, value in config.items():
-        if key == "method":
-            continue
-        target = _SPECULATIVE_KEYS.get(key)
-        if target is None or (key in _METHOD_KEYS and not key.startswith(own)):
-            unknown.append(key)
-            continue
-        table[target] = value
-    if plugin == "draft-model" and "model" not in table:
-        raise ValueError('method "draft_model" needs "model": the draft model\'s path')
-    if unknown:
-        allowed = ", ".join(
-            k for k in _SPECULATIVE_KEYS if k not in _METHOD_KEYS or k.startswith(own)
-        )
-        raise ValueError(
-            f"{', '.join(sorted(unknown))}: not supported with method {method!r}; "
-            f"allowed: method, {allowed}"
-        )
-    return table
-
-
 # --- the table ----------------------------------------------------------------------------
 
 _NOT_YET = "not implemented yet"
@@ -318,7 +112,7 @@ FLAGS: tuple[ServeFlag, ...] = (
         "than one name is an error, not a server that answers 404 to the others: vLLM answers "
         "to every name given, Brigade has no aliases yet",
         arity="names",
-        parse=_one_name,
+        parse=one_name,
         metavar="NAME",
     ),
     _alias(
@@ -329,7 +123,7 @@ FLAGS: tuple[ServeFlag, ...] = (
         metavar="HOST",
     ),
     _alias(
-        "--port", "server.port", "TCP port (default 8000, as vLLM)", parse=_integer, metavar="PORT"
+        "--port", "server.port", "TCP port (default 8000, as vLLM)", parse=integer, metavar="PORT"
     ),
     _alias(
         "--api-key",
@@ -345,7 +139,7 @@ FLAGS: tuple[ServeFlag, ...] = (
         "longest prompt + output, read as vLLM does: 4096, 4k = 4000, 25.6k = 25600, "
         "32K = 32768, 1m = 1000000; vLLM's auto and -1 are refused (leave the flag out for "
         "the model's own limit)",
-        parse=_token_count,
+        parse=token_count,
         metavar="LEN",
     ),
     _alias(
@@ -353,7 +147,7 @@ FLAGS: tuple[ServeFlag, ...] = (
         "model.dtype",
         "weights and activations: auto (the checkpoint's dtype; vLLM's auto would run a "
         "float32 checkpoint in float16), half or float16, bfloat16, float or float32",
-        parse=_dtype,
+        parse=dtype,
         metavar="DTYPE",
     ),
     _alias(
@@ -361,14 +155,14 @@ FLAGS: tuple[ServeFlag, ...] = (
         "kv.cache_dtype",
         "auto (the model's dtype), bfloat16, float16 or half, float32; fp8 variants are "
         "refused (no fp8 KV cache yet)",
-        parse=_kv_cache_dtype,
+        parse=kv_cache_dtype,
         metavar="DTYPE",
     ),
     _alias(
         "--seed",
         "model.seed",
         "seed of the shared generator for requests that set no seed",
-        parse=_integer,
+        parse=integer,
     ),
     _alias(
         "--chat-template",
@@ -382,7 +176,7 @@ FLAGS: tuple[ServeFlag, ...] = (
         "sampling defaults of requests that set none: auto (the default) = the model's "
         "recommendation, from generation_config.json or a GGUF's general.sampling.*; vllm = "
         "OpenAI's (temperature 1, top_p 1); a folder of its own is not supported",
-        parse=_choice({"auto": "auto", "vllm": "none"}),
+        parse=choice({"auto": "auto", "vllm": "none"}),
         metavar="auto|vllm",
     ),
     _alias(
@@ -390,14 +184,14 @@ FLAGS: tuple[ServeFlag, ...] = (
         "kv.page_size",
         "tokens per KV page (vLLM's block); `brigade config check` says which sizes the "
         "attention backend reads",
-        parse=_integer,
+        parse=integer,
         metavar="N",
     ),
     _alias(
         "--num-gpu-blocks-override",
         "kv.num_pages",
         "KV pool size in pages, instead of sizing the pool from memory",
-        parse=_integer,
+        parse=integer,
         metavar="N",
     ),
     _alias(
@@ -419,10 +213,10 @@ FLAGS: tuple[ServeFlag, ...] = (
         "kv.swap_space_gib",
         "GiB of host memory for swapped-out KV pages, used only with [scheduler] "
         'preemption = "swap" (vLLM: per GPU)',
-        parse=_gib,
+        parse=gib,
         metavar="GIB",
     ),
-    _alias("--max-num-seqs", "scheduler.max_num_seqs", "most requests in one step", parse=_integer),
+    _alias("--max-num-seqs", "scheduler.max_num_seqs", "most requests in one step", parse=integer),
     _alias(
         "--disable-frontend-multiprocessing",
         "server.engine_process",
@@ -434,7 +228,7 @@ FLAGS: tuple[ServeFlag, ...] = (
         ("--api-server-count", "-asc"),
         "server.api_server_count",
         "HTTP front-end processes sharing the port, all feeding the one engine process",
-        parse=_integer,
+        parse=integer,
         metavar="N",
     ),
     _alias(
@@ -442,7 +236,7 @@ FLAGS: tuple[ServeFlag, ...] = (
         "scheduler.max_num_batched_tokens",
         "token budget of one step, shared by prefill chunks and decodes (2k, 8K as for "
         "--max-model-len)",
-        parse=_token_count,
+        parse=token_count,
         metavar="N",
     ),
     _alias(
@@ -456,14 +250,14 @@ FLAGS: tuple[ServeFlag, ...] = (
         "scheduler.plugin",
         "fcfs or priority, the scheduler plugin of that name (priority: a lower request "
         "priority runs first, as in vLLM)",
-        parse=_scheduling_policy,
+        parse=scheduling_policy,
         metavar="POLICY",
     ),
     _alias(
         "--device",
         "executor.device",
         "auto, cpu, cuda or cuda:N (an option of the torch and cuda-graph executors)",
-        parse=_device,
+        parse=device,
         metavar="DEVICE",
     ),
     _alias(
@@ -471,7 +265,7 @@ FLAGS: tuple[ServeFlag, ...] = (
         "executor.tensor_parallel_size",
         "ranks the model is split over: processes on this machine, one GPU each on CUDA (an "
         "option of the torch executor; docs/distributed.md)",
-        parse=_rank_count,
+        parse=rank_count,
         metavar="N",
     ),
     _alias(
@@ -479,7 +273,7 @@ FLAGS: tuple[ServeFlag, ...] = (
         "router.data_parallel_size",
         "engine replicas behind the router station, each in its own process (or Ray actor, with "
         "--distributed-executor-backend ray) with its share of the cores (docs/distributed.md)",
-        parse=_rank_count,
+        parse=rank_count,
         metavar="N",
     ),
     _alias(
@@ -488,7 +282,7 @@ FLAGS: tuple[ServeFlag, ...] = (
         "where tensor-parallel ranks and the data-parallel replicas run: mp (processes on this "
         "machine; vLLM's uni means the same here) or ray (actors on a Ray cluster); vLLM's "
         "external_launcher is refused",
-        parse=_executor_backend,
+        parse=executor_backend,
         metavar="BACKEND",
     ),
     # vLLM's meaning is already Brigade's behaviour.
@@ -506,21 +300,21 @@ FLAGS: tuple[ServeFlag, ...] = (
         "--tool-call-parser",
         "tool calls are read in the hermes format (`<tool_call>JSON</tool_call>`), the only "
         "one; any other parser is an error",
-        check=_hermes,
+        check=hermes,
         metavar="PARSER",
     ),
     _accepted(
         ("--runner", "--task", "--convert"),
         "one engine serves both /v1/chat/completions and /v1/embeddings (the decoder's "
         "pooled hidden states); auto, generate, pooling, embed and none all mean that",
-        check=_runner,
+        check=runner,
         metavar="RUNNER",
     ),
     _alias(
         "--pooler-config",
         "server.embedding_pooling",
         'how /v1/embeddings pools: {"pooling_type": "LAST"} (the default) or "MEAN"',
-        parse=_pooler_config,
+        parse=pooler_config,
         metavar="JSON",
     ),
     _accepted(
@@ -592,7 +386,7 @@ FLAGS: tuple[ServeFlag, ...] = (
         "speculative decoding as JSON: method ngram, suffix or draft_model (with model, the "
         "draft model's path), num_speculative_tokens, disable_by_batch_size, "
         "prompt_lookup_max/min, suffix_decoding_* (docs/speculative.md)",
-        parse=_speculative_config,
+        parse=speculative_config,
         metavar="JSON",
     ),
     _refused("--tokenizer", "the tokenizer is read from MODEL (its directory, or the GGUF file)"),
@@ -726,5 +520,5 @@ FLAGS: tuple[ServeFlag, ...] = (
         _NOT_YET,
     ),
 )
-"""Every vLLM ``serve`` flag ``brigade serve`` knows: aliases, then accepted, then refused (the
-order of ``--help``, which leaves the refused ones out, and of docs/vllm.md)."""
+"""Every vLLM ``serve`` flag ``brigade serve`` knows, by topic; ``--help`` (which leaves the
+refused ones out) and docs/vllm.md list them by status, in this order within each status."""
