@@ -28,6 +28,7 @@ from brigade.server.errors import (
     ServerOverloadedError,
     api_error,
 )
+from brigade.server.generation_inputs import sampling_params, template_messages
 from brigade.server.guards import charge_rate_limit, check_batch_size, check_context
 from brigade.server.state import ServerState, json_response
 
@@ -59,7 +60,7 @@ async def start_chat(
         body.tools,
         body.template_kwargs(),
     )
-    params = proto.sampling_params(
+    params = sampling_params(
         body,
         default_max_tokens=max(1, state.max_model_len - len(prompt)),
         defaults=state.async_engine.info.sampling_defaults,
@@ -134,7 +135,7 @@ async def completion(
     check_batch_size(len(texts), state.settings)
     prompts = await state.run_blocking(_encode_prompts, state, texts, body.add_special_tokens)
     longest = max(len(p) for p in prompts)
-    params = proto.sampling_params(
+    params = sampling_params(
         body,
         default_max_tokens=max(1, state.max_model_len - longest),  # an explicit null
         defaults=state.async_engine.info.sampling_defaults,
@@ -225,7 +226,7 @@ def chat_prompt(
     try:
         return render_chat_prompt(
             state.tokenizer,
-            proto.template_messages(messages),
+            template_messages(messages),
             tools=tools or None,
             add_generation_prompt=generation_prompt,
             **(template_kwargs or {}),

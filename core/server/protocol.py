@@ -1,28 +1,25 @@
-"""The OpenAI wire protocol, request side: msgspec structs, body decoding, SamplingParams.
+"""The OpenAI wire protocol, request side: msgspec structs, body decoding and validation.
 
 Unknown fields are ignored, as OpenAI does. Known fields that would change what is generated
 but that Brigade does not implement (``functions``, ``best_of``, ``echo``, ``suffix``, image or
 audio content, ...) are rejected with a 400 naming the field, rather than silently ignored.
-
-``response_format`` takes OpenAI's ``text``, ``json_object`` and ``json_schema`` types plus two
-Brigade extensions: ``{"type": "regex", "regex": "..."}`` and ``{"type": "ebnf", "ebnf":
-"..."}`` (XGrammar EBNF, root rule ``root``). Every check raises ``ProtocolError`` with
-``param`` set to the field's path (``max_tokens``, ``messages[0].content``).
+Every check raises ``ProtocolError`` with ``param`` set to the field's path (``max_tokens``,
+``messages[0].content``). The grammar a request asks for is chosen in ``structured_request``;
+a decoded request becomes ``SamplingParams`` in ``generation_inputs``.
 """
 
 from __future__ import annotations
 
 import functools
-import json
-import re
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, TypeVar
 
 import msgspec
 
-from brigade.interfaces import ExtraValue, SamplingParams, StructuredOutput, freeze_extra
+from brigade.interfaces import ExtraValue, StructuredOutput, freeze_extra
 from brigade.server.errors import ErrorResponse, ProtocolError
-from brigade.server.tools import ToolChoice, parse_tools, schema_key
+from brigade.server.structured_request import one_grammar, response_format_grammar, vllm_grammar
+from brigade.server.tools import ToolChoice, parse_tools
 
 __all__ = [
     "ChatCompletionRequest",
@@ -34,8 +31,6 @@ __all__ = [
     "StreamOptions",
     "TokenizeRequest",
     "decode_json",
-    "sampling_params",
-    "template_messages",
 ]
 
 T = TypeVar("T")
@@ -46,7 +41,6 @@ MAX_N = 128
 """Most choices per prompt (OpenAI's limit), so one request cannot flood the engine."""
 ROLES = ("system", "developer", "user", "assistant", "tool")
 """Message roles we accept (``function`` messages belong to the deprecated functions API)."""
-RESPONSE_FORMATS = ("text", "json_object", "json_schema", "regex", "ebnf")
 MAX_DEPTH = 64
 """Arrays and objects nested deeper than this anywhere in a request body are refused (400):
 deeper JSON is no real schema or tool list, and would exhaust recursion further on."""
@@ -67,6 +61,23 @@ _ANY_FIELDS = (
 """Fields decoded as any JSON: their depth is checked here (typed fields have their own)."""
 MAX_TOKEN_ID_DIGITS = 18
 """A ``logit_bias`` key longer than this (leading zeros aside) is no token id of any model."""
+_REFUSED_VLLM_FIELDS = (
+    ("allowed_token_ids", "restricting the output to given token ids"),
+    ("bad_words", "per-request banned words; the ban-words logits processor bans engine-wide"),
+    ("truncate_prompt_tokens", "truncating the prompt"),
+    ("prompt_logprobs", "log probabilities of the prompt"),
+    ("use_beam_search", "beam search"),
+    (
+        "logits_processors",
+        "logits processors per request; the server's are [sampler] logits_processors",
+    ),
+    ("return_tokens_as_token_ids", "token ids in place of token strings"),
+)
+"""vLLM request fields that would change the answer and that Brigade does not implement."""
+_TEMPLATE_ARGUMENTS = frozenset(
+    {"messages", "tools", "add_generation_prompt", "tokenize", "continue_final_message"}
+    | {"chat_template", "documents", "return_dict"}
+)
 
 
 class StreamOptions(msgspec.Struct, omit_defaults=True):
@@ -208,12 +219,12 @@ class _SamplingFields(msgspec.Struct, kw_only=True, dict=True):
     def grammar_param(self) -> str:
         """The field a grammar error names: a vLLM structured-output field when one is set,
         else ``response_format``."""
-        guided = _vllm_grammar(self)
+        guided = vllm_grammar(self)
         return "response_format" if guided is None else guided[0]
 
     @functools.cached_property
     def _grammar(self) -> StructuredOutput | None:
-        return _one_grammar(_response_format(self.response_format), _vllm_grammar(self))
+        return one_grammar(response_format_grammar(self.response_format), vllm_grammar(self))
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -251,7 +262,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
         if self.function_call not in (None, "none"):
             _unsupported("function_call", "the deprecated functions API; use tool_choice")
         choice = self.tool_choice_spec()
-        if choice is not None and _response_format(self.response_format) is not None:
+        if choice is not None and response_format_grammar(self.response_format) is not None:
             raise ProtocolError(
                 "response_format cannot be combined with tool calls; set tool_choice to "
                 '"none" or drop response_format.',
@@ -309,7 +320,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     def _grammar(self) -> StructuredOutput | None:
         """The tool calls' grammar, else ``response_format``'s."""
         choice = self._tool_choice
-        guided = _vllm_grammar(self)
+        guided = vllm_grammar(self)
         if choice is not None:
             if guided is not None:
                 raise ProtocolError(
@@ -318,7 +329,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
                     param=guided[0],
                 )
             return choice.structured_output()
-        return _one_grammar(_response_format(self.response_format), guided)
+        return one_grammar(response_format_grammar(self.response_format), guided)
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -399,46 +410,6 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     model: str | None = None
 
 
-def template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the plain dicts a chat template reads: role, content, name, tool calls.
-
-    A ``developer`` message becomes a ``system`` one: OpenAI's new name for the same turn,
-    which chat templates do not know. Tool-call arguments arrive as JSON text and are handed
-    to the template parsed (the Hugging Face convention).
-    """
-    out = []
-    for message in messages:
-        role = "system" if message.role == "developer" else message.role
-        item: dict[str, Any] = {"role": role, "content": message.text()}
-        if message.name is not None:
-            item["name"] = message.name
-        if message.tool_call_id is not None:
-            item["tool_call_id"] = message.tool_call_id
-        if message.tool_calls:
-            item["tool_calls"] = [
-                {
-                    "id": call.get("id"),
-                    "type": "function",
-                    "function": {
-                        "name": call["function"]["name"],
-                        "arguments": _json_or_text(call["function"].get("arguments", "{}")),
-                    },
-                }
-                for call in message.tool_calls
-            ]
-        out.append(item)
-    return out
-
-
-def _json_or_text(arguments: Any) -> Any:
-    if not isinstance(arguments, str):
-        return arguments
-    try:
-        return json.loads(arguments)
-    except ValueError:
-        return arguments
-
-
 def decode_json(body: bytes, type_: type[T]) -> T:
     """Decode and validate a request body; every failure is a ``ProtocolError`` (400).
 
@@ -474,94 +445,6 @@ def _check_depth(value: Any, param: str, *, base: int) -> None:
                 param=param,
             )
         stack.extend((child, depth + 1) for child in children)
-
-
-def sampling_params(
-    request: ChatCompletionRequest | CompletionRequest,
-    *,
-    default_max_tokens: int,
-    defaults: Mapping[str, float] | None = None,
-) -> SamplingParams:
-    """Map a generation request to ``SamplingParams``.
-
-    A field the request leaves unset takes the model's recommendation from ``defaults``
-    (temperature, top_p, top_k, min_p, repetition_penalty), else OpenAI's default.
-    ``default_max_tokens`` applies when the request sets neither ``max_completion_tokens`` nor
-    ``max_tokens`` (the server passes what fits in the context after the prompt).
-    """
-    model = defaults or {}
-    max_tokens_field = "max_tokens"
-    max_tokens = request.max_tokens
-    if isinstance(request, ChatCompletionRequest):
-        logprobs_field = "top_logprobs"
-        if request.max_completion_tokens is not None:
-            max_tokens_field, max_tokens = "max_completion_tokens", request.max_completion_tokens
-        if request.top_logprobs and not request.logprobs:
-            raise ProtocolError("top_logprobs requires logprobs: true.", param="top_logprobs")
-        num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    else:
-        logprobs_field, num_logprobs = "logprobs", request.logprobs
-    stop = request.stop
-    try:
-        return SamplingParams(
-            max_tokens=default_max_tokens if max_tokens is None else max_tokens,
-            temperature=_default(request.temperature, model.get("temperature", 1.0)),
-            top_p=_default(request.top_p, model.get("top_p", 1.0)),
-            top_k=_top_k(request.top_k, model.get("top_k", 0)),
-            min_p=_default(request.min_p, model.get("min_p", 0.0)),
-            presence_penalty=_default(request.presence_penalty, 0.0),
-            frequency_penalty=_default(request.frequency_penalty, 0.0),
-            repetition_penalty=_default(
-                request.repetition_penalty, model.get("repetition_penalty", 1.0)
-            ),
-            logit_bias=_logit_bias(request.logit_bias),
-            seed=request.seed,
-            stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
-            stop_token_ids=tuple(request.stop_token_ids or ()),
-            ignore_eos=request.ignore_eos,
-            min_tokens=request.min_tokens,
-            logprobs=num_logprobs,
-            include_stop_str_in_output=request.include_stop_str_in_output,
-            skip_special_tokens=request.skip_special_tokens,
-            n=1 if request.n is None else request.n,
-            structured_output=request.structured_output(),
-        )
-    except ValueError as exc:
-        message = str(exc).removeprefix("sampling parameter ")
-        name = re.match(r"\w+", message)
-        field = name[0] if name else None
-        renamed = {
-            "max_tokens": max_tokens_field,
-            "logprobs": logprobs_field,
-            "structured_output": "response_format",
-        }.get(field or "")
-        if renamed is not None and field is not None:
-            message = renamed + message[len(field) :]
-        raise ProtocolError(f"{message}.", param=renamed or field) from None
-
-
-def _top_k(value: int | None, default: float) -> int:
-    """-1 and 0 both mean off, in a request and in a model's recommendation."""
-    chosen = int(default) if value is None else value
-    return 0 if chosen == -1 else chosen
-
-
-def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
-    if not bias:
-        return None
-    for key in bias:
-        if not (key.isascii() and key.isdigit()):
-            raise ProtocolError(
-                f'logit_bias keys must be token ids written as integer strings (e.g. "42"); '
-                f"got {key[:40]!r}.",
-                param="logit_bias",
-            )
-        if len(key.lstrip("0")) > MAX_TOKEN_ID_DIGITS:
-            raise ProtocolError(
-                f"logit_bias key {key[:24]}... is no token id of this model's vocabulary.",
-                param="logit_bias",
-            )
-    return {int(key): value for key, value in bias.items()}
 
 
 def _check_messages(messages: Sequence[ChatMessage]) -> None:
@@ -612,136 +495,3 @@ def _check_tool_calls(calls: Any, at: str) -> None:
                 '"arguments": "<JSON>"}}.',
                 param=f"{at}.tool_calls[{index}]",
             )
-
-
-def _response_format(response_format: Any) -> StructuredOutput | None:
-    """``response_format`` as a grammar (None for text); ``ProtocolError`` when malformed."""
-    if response_format is None:
-        return None
-    kind = response_format.get("type") if isinstance(response_format, dict) else None
-    if kind not in RESPONSE_FORMATS:
-        raise ProtocolError(
-            f"response_format.type must be one of {', '.join(RESPONSE_FORMATS)}; got {kind!r}.",
-            param="response_format.type",
-            code="unsupported_value",
-        )
-    assert isinstance(response_format, dict)
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return StructuredOutput("json")
-    if kind == "json_schema":
-        spec = response_format.get("json_schema")
-        if not isinstance(spec, dict):
-            raise ProtocolError(
-                'json_schema response format needs "json_schema": {"name": ..., "schema": {...}}.',
-                param="response_format.json_schema",
-            )
-        schema = spec.get("schema", {"type": "object"})
-        if not isinstance(schema, dict | bool):
-            raise ProtocolError(
-                "the schema must be a JSON object.", param="response_format.json_schema.schema"
-            )
-        # The answer lists its keys in the schema's order, as OpenAI's does (schema_key).
-        return StructuredOutput("json_schema", json.dumps(schema_key(schema)))
-    text = response_format.get(kind)
-    if not isinstance(text, str) or not text:
-        raise ProtocolError(
-            f'a {kind} response format needs "{kind}": a non-empty string.',
-            param=f"response_format.{kind}",
-        )
-    return StructuredOutput(kind, text)
-
-
-_REFUSED_VLLM_FIELDS = (
-    ("allowed_token_ids", "restricting the output to given token ids"),
-    ("bad_words", "per-request banned words; the ban-words logits processor bans engine-wide"),
-    ("truncate_prompt_tokens", "truncating the prompt"),
-    ("prompt_logprobs", "log probabilities of the prompt"),
-    ("use_beam_search", "beam search"),
-    (
-        "logits_processors",
-        "logits processors per request; the server's are [sampler] logits_processors",
-    ),
-    ("return_tokens_as_token_ids", "token ids in place of token strings"),
-)
-"""vLLM request fields that would change the answer and that Brigade does not implement."""
-_TEMPLATE_ARGUMENTS = frozenset(
-    {"messages", "tools", "add_generation_prompt", "tokenize", "continue_final_message"}
-    | {"chat_template", "documents", "return_dict"}
-)
-_GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
-_STRUCTURED_OUTPUTS_KEYS = ("json", "regex", "choice", "grammar", "json_object")
-
-
-def _vllm_grammar(fields: _SamplingFields) -> tuple[str, StructuredOutput] | None:
-    """vLLM's ``structured_outputs`` or ``guided_*`` field as the request's grammar, with
-    the field's name; None when the request sets none."""
-    given: list[tuple[str, str, Any]] = [
-        (name, name.removeprefix("guided_"), getattr(fields, name))
-        for name in _GUIDED_FIELDS
-        if getattr(fields, name) is not None
-    ]
-    outputs = fields.structured_outputs
-    if outputs is not None:
-        if not isinstance(outputs, dict):
-            raise ProtocolError("structured_outputs must be an object.", param="structured_outputs")
-        for key, value in outputs.items():
-            if key in _STRUCTURED_OUTPUTS_KEYS and value not in (None, False):
-                given.append((f"structured_outputs.{key}", key, value))
-            elif key not in _STRUCTURED_OUTPUTS_KEYS and value not in (None, False, ""):
-                raise ProtocolError(
-                    f"structured_outputs.{key} is not supported; give one of "
-                    f"{', '.join(_STRUCTURED_OUTPUTS_KEYS)}.",
-                    param=f"structured_outputs.{key}",
-                )
-    if not given:
-        return None
-    if len(given) > 1:
-        raise ProtocolError(
-            f"give one structured-output field, not {given[0][0]} and {given[1][0]}.",
-            param=given[1][0],
-        )
-    param, kind, value = given[0]
-    return param, _guided_grammar(param, kind, value)
-
-
-def _guided_grammar(param: str, kind: str, value: Any) -> StructuredOutput:
-    if kind == "json_object":
-        return StructuredOutput("json")
-    if kind == "json":
-        schema = value
-        if isinstance(value, str):
-            try:
-                schema = json.loads(value)
-            except ValueError:
-                raise ProtocolError(f"{param} is not valid JSON.", param=param) from None
-        if not isinstance(schema, dict | bool):
-            raise ProtocolError(f"{param} must be a JSON schema (an object).", param=param)
-        return StructuredOutput("json_schema", json.dumps(schema_key(schema)))
-    if kind == "choice":
-        if (
-            not isinstance(value, list)
-            or not value
-            or not all(isinstance(item, str) and item for item in value)
-        ):
-            raise ProtocolError(f"{param} must be a list of non-empty strings.", param=param)
-        alternatives = " | ".join(json.dumps(item, ensure_ascii=False) for item in value)
-        return StructuredOutput("ebnf", f"root ::= {alternatives}")
-    if not isinstance(value, str) or not value:
-        raise ProtocolError(f"{param} must be a non-empty string.", param=param)
-    return StructuredOutput("regex" if kind == "regex" else "ebnf", value)
-
-
-def _one_grammar(
-    response_format: StructuredOutput | None, guided: tuple[str, StructuredOutput] | None
-) -> StructuredOutput | None:
-    if guided is None:
-        return response_format
-    if response_format is not None:
-        raise ProtocolError(f"give response_format or {guided[0]}, not both.", param=guided[0])
-    return guided[1]
-
-
-def _default(value: float | None, default: float) -> float:
-    return default if value is None else value

@@ -28,14 +28,13 @@ from brigade.server.errors import (
     RequestTooLargeError,
     ServerOverloadedError,
 )
+from brigade.server.generation_inputs import sampling_params, template_messages
 from brigade.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
     decode_json,
-    sampling_params,
-    template_messages,
 )
 
 

@@ -9,12 +9,11 @@ import pytest
 
 from brigade.interfaces import StructuredOutput
 from brigade.server.errors import ProtocolError
+from brigade.server.generation_inputs import sampling_params, template_messages
 from brigade.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     decode_json,
-    sampling_params,
-    template_messages,
 )
 from brigade.server.tools import ToolCallStream, parse_tool_calls, schema_key
 
