@@ -9,7 +9,10 @@
   shapes (AVX-512, 2 threads) 1.6-2.8x oneDNN's packed GEMM at one row, 1.1-1.4x at 8-32 rows,
   level at 128-512 (docs/benchmarks.md). In bfloat16 (CPUs with AVX512-BF16) the panels hold
   pairs of k and one ``vdpbf16ps`` adds both products in float32, as oneDNN's bf16 kernels do;
-  elsewhere bfloat16 weights take oneDNN's packed path. A gate_up projection (marked by its
+  elsewhere bfloat16 weights take oneDNN's packed path, and so do they on CPUs with AMX, where
+  oneDNN's tile kernels ran SmolLM2's shapes 3.5-4.5x faster than the panels at 32 rows and
+  8-12x at 512 (the panels kept only one-row GEMVs, 1.4-2x; an Intel Xeon, 2 threads,
+  docs/benchmarks.md). A gate_up projection (marked by its
   model with :func:`mark_gate_up`) packs its gate and up panels in pairs, so that
   :meth:`CpuLinear.silu_mul` computes ``silu(gate) * up`` as the GEMM stores its tile, without
   writing the projection's output (4-6% faster than the GEMM and the SiLU-mul one after the
@@ -41,6 +44,7 @@ __all__ = [
     "onednn_linear",
     "onednn_usable",
     "pack_weight",
+    "panels_chosen",
     "panels_usable",
     "use_cpu_linears",
 ]
@@ -49,8 +53,8 @@ logger = logging.getLogger(__name__)
 
 CPU_LINEAR_MODES = ("panels", "packed", "onednn", "plain")
 """``[executor] cpu_linear``: Brigade's kernel on column panels (float32, and bfloat16 with
-AVX512-BF16; else as ``packed``), oneDNN on prepacked weights, oneDNN on the weights as loaded,
-or ``F.linear``."""
+AVX512-BF16 and without AMX; else as ``packed``), oneDNN on prepacked weights, oneDNN on the
+weights as loaded, or ``F.linear``."""
 GATE_UP = "brigade_gate_up"
 """The attribute :func:`mark_gate_up` sets on an ``nn.Linear``."""
 PACK_ROWS = 32
@@ -104,6 +108,24 @@ def panels_usable(dtype: torch.dtype = torch.float32) -> bool:
     if ops is None or dtype not in (torch.float32, torch.bfloat16):
         return False
     return dtype == torch.float32 or bool(ops.panels_take_bfloat16())
+
+
+def panels_chosen(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether ``cpu_linear = "panels"`` puts layers of ``dtype`` on the panel GEMM here: where
+    it runs them (:func:`panels_usable`), except bfloat16 on a CPU with AMX tiles when oneDNN
+    runs bfloat16, whose AMX kernels are several times faster from a few rows on."""
+    if not panels_usable(dtype):
+        return False
+    return not (dtype == torch.bfloat16 and _has_amx() and onednn_usable(dtype))
+
+
+def _has_amx() -> bool:
+    """Whether the CPU has AMX tiles (Intel Xeons from Sapphire Rapids on), per torch."""
+    check = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    try:
+        return bool(check()) if check is not None else False
+    except Exception:  # a private torch helper: never let it stop a model from loading
+        return False
 
 
 def _panel_ops() -> Any:
@@ -194,8 +216,8 @@ class CpuLinear(nn.Module):
 def use_cpu_linears(model: nn.Module, mode: str) -> int:
     """Swap every CPU ``nn.Linear`` of ``model`` in a dtype oneDNN runs here for a
     :class:`CpuLinear` (``mode`` ``panels``, ``packed`` or ``onednn``; ``plain`` changes
-    nothing). In ``panels`` mode the layers in a dtype the panel kernel runs here (see
-    :func:`panels_usable`) take it and the others oneDNN's packed layout, as do all of them
+    nothing). In ``panels`` mode the layers in a dtype the panel kernel takes here (see
+    :func:`panels_chosen`) take it and the others oneDNN's packed layout, as do all of them
     when the kernels cannot be built here (with a warning).
 
     Returns the number of layers swapped (0 where oneDNN's op is missing: a warning is logged
@@ -212,7 +234,7 @@ def use_cpu_linears(model: nn.Module, mode: str) -> int:
         if type(child) is nn.Linear and child.weight.device.type == "cpu"
     ]
     dtypes = {child.weight.dtype for _, _, child in targets}
-    panels = {dtype for dtype in dtypes if mode == "panels" and panels_usable(dtype)}
+    panels = {dtype for dtype in dtypes if mode == "panels" and panels_chosen(dtype)}
     if mode == "panels" and torch.float32 in dtypes - panels:
         logger.warning(
             "the CPU kernels are not built here: float32 linear layers run on oneDNN's "
