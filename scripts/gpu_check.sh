@@ -36,7 +36,7 @@ unset TRITON_INTERPRET  # compiled kernels, not the CPU interpreter
 export PYTHONUNBUFFERED=1
 
 # Caps in seconds; their sum is the whole script's limit (SECONDS counts from its start).
-setup_s=35 triton_tests_s=90 gpu_tests_s=120 attention_s=45 decode_s=100 throughput_s=60
+setup_s=35 triton_tests_s=120 gpu_tests_s=90 attention_s=45 decode_s=100 throughput_s=60
 total_s=$((setup_s + triton_tests_s + gpu_tests_s + attention_s + decode_s + throughput_s))
 if [ "$total_s" -gt 450 ]; then
     echo "gpu_check: step caps sum to $total_s s, over the 450 s budget" >&2
