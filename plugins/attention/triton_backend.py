@@ -165,9 +165,10 @@ class TritonBackend(AttentionBackend):
 
     def __init__(self, options: TritonAttentionOptions | None = None) -> None:
         self.options = options if options is not None else TritonAttentionOptions()
-        launch = {"num_warps": self.options.prefill_num_warps}
-        launch["num_stages"] = self.options.prefill_num_stages
+        warps, stages = self.options.prefill_num_warps, self.options.prefill_num_stages
+        launch = {"num_warps": warps, "num_stages": stages}
         self._prefill_launch = {name: value for name, value in launch.items() if value}
+        """The prefill's launch settings that override Triton's defaults (0 = the default)."""
 
     @classmethod
     def supported_page_sizes(cls, options: Any) -> PageSizeRule:

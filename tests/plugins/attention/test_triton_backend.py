@@ -148,9 +148,13 @@ def test_auto_splits_follow_the_multiprocessor_count() -> None:
 
 @needs_kernels
 @pytest.mark.parametrize("sliding_window", [None, 9])
-def test_long_chunk_spans_query_blocks_and_key_tiles(sliding_window: int | None) -> None:
-    # 16-row tiles over a group of 2: 8 tokens a block, 5 blocks; keys in 16-key tiles.
-    options = TritonAttentionOptions(prefill_block_m=16, prefill_block_n=16)
+@pytest.mark.parametrize("launch", [{}, {"prefill_num_warps": 8, "prefill_num_stages": 2}])
+def test_long_chunk_spans_query_blocks_and_key_tiles(
+    sliding_window: int | None, launch: dict[str, int]
+) -> None:
+    # 16-row tiles over a group of 2: 8 tokens a block, 5 blocks; keys in 16-key tiles, the
+    # blocks after the first few wholly past some of them (unmasked tiles, then the diagonal).
+    options = TritonAttentionOptions(prefill_block_m=16, prefill_block_n=16, **launch)
     case = _case(
         [(40, 50), (3, 0)],
         num_heads=4,
