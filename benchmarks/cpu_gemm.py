@@ -3,7 +3,7 @@
     python benchmarks/cpu_gemm.py                  # SmolLM2's layer shapes at 1-512 rows
     python benchmarks/cpu_gemm.py --rows 1 32 --lm-head
     python benchmarks/cpu_gemm.py --shapes 4096x4096 11008x4096 --rows 1 8
-    python benchmarks/cpu_gemm.py --dtype bfloat16    # needs AVX512-BF16 (vdpbf16ps)
+    python benchmarks/cpu_gemm.py --dtype bfloat16    # needs oneDNN's bfloat16 (AVX512-BF16, AMX)
     python benchmarks/cpu_gemm.py --gate-up --rows 1 112 2048   # SiLU-mul in the GEMM or after
 
 Each shape is timed on as many distinct weights as make ~64 MB, so that a call reads its
@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from brigade.plugins.attention.cpu_kernels import cpu_ops
+from brigade.plugins.executors import cpu_gemm
 from brigade.plugins.executors.cpu_gemm import pack_weight
 
 SMOLLM2 = ("960x576", "576x576", "3072x576", "576x1536")
@@ -132,8 +133,8 @@ def main() -> None:
     from step_profile import cpu_flags  # benchmarks/ is this script's directory
 
     dtype = getattr(torch, args.dtype)
-    if dtype == torch.bfloat16 and not ops.panels_take_bfloat16():
-        raise SystemExit("the panel GEMM takes bfloat16 only on CPUs with AVX512-BF16")
+    if dtype == torch.bfloat16 and not cpu_gemm.onednn_usable(dtype):
+        raise SystemExit("oneDNN runs no bfloat16 on this CPU: nothing to compare the panels with")
     print(f"{cpu_flags()}; torch {torch.__version__}, {args.threads} threads, {args.dtype}")
     if args.gate_up:
         for rows in args.rows:

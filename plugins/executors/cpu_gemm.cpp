@@ -1,5 +1,5 @@
 // Brigade's GEMM for a model's linear layers on a CPU: y = x W^T (+ bias) on a weight packed
-// once at load into column panels; float32, and bfloat16 where the CPU has AVX512-BF16.
+// once at load into column panels; float32 and bfloat16.
 //
 // A panel is kLanes output columns (one vector) of the weight, stored k-major: panels[p][k][j]
 // = W[p * kLanes + j][k], the last panel zero-padded. A tile of up to kRows rows of x and up
@@ -24,7 +24,10 @@
 // multiply and an add, whose loop-carried part (the add) is quicker than a FMA. So panels are
 // grouped evenly (a thread's share of 4 by 3 as 2 + 2), and only a layer of one panel ever
 // takes that tile: every other column is the same FMA chain whichever path computed it.
-// bfloat16 is below (tile for Gemm<c10::BFloat16>).
+// bfloat16 weights are float32 sums too, rounded once per output: where the CPU has
+// AVX512-BF16, on panels of k pairs with vdpbf16ps (tile_pairs); elsewhere on panels laid out
+// as float32's, each weight vector widened to float32 as it is loaded (a shift), so a layer
+// reads half the bytes of float32 and runs the same FMAs.
 //
 // A gate_up projection may be packed in pairs of panels (gate columns, then the same up
 // columns): panel_silu_mul then stores silu(gate) * up as each tile finishes, so the
@@ -184,11 +187,12 @@ void store_tile(const Gemm<T>& g, int64_t row, int64_t panel, const Sums& sums) 
 }
 
 // Rows [row, row + R) of the output, panels [panel, panel + P). xs: those rows of x packed
-// k-major (xs[k * R + r], pack_rows), so one pointer reaches every row's value at k.
-template <int R, int P>
-void tile(const Gemm<float>& g, const float* xs, int64_t row, int64_t panel, Ahead ahead) {
+// k-major in float32 (xs[k * R + r], pack_rows), so one pointer reaches every row's value at
+// k. T: float, or bfloat16 on panels laid out as float32's (load_vec widens each vector).
+template <int R, int P, typename T>
+void tile(const Gemm<T>& g, const float* xs, int64_t row, int64_t panel, Ahead ahead) {
   const int64_t K = g.in_features;
-  const float* w = g.panels + panel * K * kLanes;
+  const T* w = g.panels + panel * K * kLanes;
   // The prefetches are issued once per kChunk steps: in the loop of FMAs their bookkeeping
   // cost as many instructions as the FMAs themselves.
   constexpr int64_t kChunk = 16;
@@ -210,15 +214,15 @@ void tile(const Gemm<float>& g, const float* xs, int64_t row, int64_t panel, Ahe
 }
 
 #if defined(__AVX512BF16__)
-// bfloat16: panels of pairs, panels[p][i][j][t] = W[p * 16 + j][2 i + t] (K padded to even), so
-// one vdpbf16ps multiplies a vector of 16 columns x 2 k by a broadcast pair of x and adds both
-// products, in float32, to the 16 sums (as oneDNN's bf16 kernels do). Outputs are rounded to
-// bfloat16 once, after the bias.
-constexpr bool kBfloat16 = true;
+// bfloat16 with AVX512-BF16: panels of pairs, panels[p][i][j][t] = W[p * 16 + j][2 i + t] (K
+// padded to even), so one vdpbf16ps multiplies a vector of 16 columns x 2 k by a broadcast pair
+// of x and adds both products, in float32, to the 16 sums (as oneDNN's bf16 kernels do).
+// Outputs are rounded to bfloat16 once, after the bias. x is read in place (not packed).
+constexpr bool kPairs = true;
 
 template <int R, int P>
-void tile(const Gemm<c10::BFloat16>& g, const c10::BFloat16* /*xs: float only*/, int64_t row,
-          int64_t panel, Ahead ahead) {
+void tile_pairs(const Gemm<c10::BFloat16>& g, const float* /*xs: not packed*/, int64_t row,
+                int64_t panel, Ahead ahead) {
   static_assert(kLanes == 16, "AVX512-BF16 vectors hold 16 floats");
   const int64_t K = g.in_features, pairs = (K + 1) / 2, whole = K / 2;
   const c10::BFloat16* x = g.x + row * g.x_stride;
@@ -251,15 +255,26 @@ void tile(const Gemm<c10::BFloat16>& g, const c10::BFloat16* /*xs: float only*/,
   });
 }
 #else
-constexpr bool kBfloat16 = false;
+constexpr bool kPairs = false;
+
+template <int R, int P>
+void tile_pairs(const Gemm<c10::BFloat16>&, const float*, int64_t, int64_t, Ahead) {}
 #endif
 
+// Whether bfloat16 panels hold pairs of k for tile_pairs (else float32's layout, for tile).
 template <typename T>
-using TileFn = void (*)(const Gemm<T>&, const T*, int64_t, int64_t, Ahead);
+constexpr bool kPaired = kPairs && std::is_same_v<T, c10::BFloat16>;
+
+template <typename T>
+using TileFn = void (*)(const Gemm<T>&, const float*, int64_t, int64_t, Ahead);
 
 template <typename T, int R, int... P>
 constexpr std::array<TileFn<T>, sizeof...(P)> tiles_of_rows(std::integer_sequence<int, P...>) {
-  return {&tile<R, P + 1>...};
+  if constexpr (kPaired<T>) {
+    return {&tile_pairs<R, P + 1>...};
+  } else {
+    return {&tile<R, P + 1, T>...};
+  }
 }
 
 template <typename T, int... R>
@@ -287,11 +302,11 @@ int64_t tile_height(int64_t rows, int64_t tiles, int64_t t) {
 }
 
 // Rows [block, block + rows) of x, cut into `tiles` tiles as run_panels cuts them, each
-// packed k-major for tile (float32; bfloat16 tiles read x in place).
+// packed k-major in float32 for tile (tile_pairs reads x in place).
 template <typename T>
 void pack_rows(const Gemm<T>& g, int64_t block, int64_t rows, int64_t tiles,
-               std::vector<T>& packed) {
-  if constexpr (std::is_same_v<T, float>) {
+               std::vector<float>& packed) {
+  if constexpr (!kPaired<T>) {
     const int64_t K = g.in_features;
     if (static_cast<int64_t>(packed.size()) < rows * K) packed.resize(rows * K);
     int64_t row = 0;
@@ -299,8 +314,8 @@ void pack_rows(const Gemm<T>& g, int64_t block, int64_t rows, int64_t tiles,
       const int64_t height = tile_height(rows, tiles, t);
       float* to = packed.data() + row * K;
       for (int64_t r = 0; r < height; ++r) {
-        const float* from = g.x + (block + row + r) * g.x_stride;
-        for (int64_t k = 0; k < K; ++k) to[k * height + r] = from[k];
+        const T* from = g.x + (block + row + r) * g.x_stride;
+        for (int64_t k = 0; k < K; ++k) to[k * height + r] = static_cast<float>(from[k]);
       }
       row += height;
     }
@@ -310,10 +325,10 @@ void pack_rows(const Gemm<T>& g, int64_t block, int64_t rows, int64_t tiles,
 // Panels [first, last) for every row, a thread's share (whole pairs, when paired).
 template <typename T>
 void run_panels(const Gemm<T>& g, int64_t first, int64_t last) {
-  // One panel's bytes: K (float32) or K rounded up to pairs (bfloat16) vectors of kLanes.
-  const int64_t depth = sizeof(T) == 2 ? (g.in_features + 1) / 2 * 2 : g.in_features;
+  // One panel's bytes: K vectors of kLanes, K rounded up to pairs where they hold pairs.
+  const int64_t depth = kPaired<T> ? (g.in_features + 1) / 2 * 2 : g.in_features;
   const int64_t panel_bytes = depth * kLanes * static_cast<int64_t>(sizeof(T));
-  thread_local std::vector<T> packed;
+  thread_local std::vector<float> packed;
   for (int64_t block = 0; block < g.rows; block += kBlockRows) {
     const int64_t rows = std::min(kBlockRows, g.rows - block);
     const int64_t tiles = (rows + kRows - 1) / kRows;
@@ -344,7 +359,7 @@ void run_panels(const Gemm<T>& g, int64_t first, int64_t last) {
         const int64_t height = tile_height(rows, tiles, t);
         const int64_t begin = std::min(lines, t * share);
         const Ahead fetch{ahead + begin * 64, std::min(lines, begin + share) - begin};
-        const T* xs = packed.empty() ? nullptr : packed.data() + (row - block) * g.in_features;
+        const float* xs = kPaired<T> ? nullptr : packed.data() + (row - block) * g.in_features;
         kTiles<T>[height - 1][count - 1](g, xs, row, panel, fetch);
         row += height;
       }
@@ -356,16 +371,17 @@ int64_t num_panels(int64_t out_features) { return (out_features + kLanes - 1) / 
 
 }  // namespace
 
-// weight [out_features, in_features] -> float32 panels [ceil(out / kLanes), in, kLanes], or
-// bfloat16 ones [ceil(out / kLanes), ceil(in / 2), kLanes, 2] (where the CPU has AVX512-BF16).
+// weight [out_features, in_features] -> panels [ceil(out / kLanes), in, kLanes] of its dtype
+// (float32 or bfloat16), or where the CPU has AVX512-BF16 bfloat16 ones of k pairs
+// [ceil(out / kLanes), ceil(in / 2), kLanes, 2].
 // paired: the weight is a gate_up projection, [gate; up] halves of out_features / 2 rows each,
 // packed as pairs of panels (gate columns i * kLanes.., then the same up columns), each half
 // padded to whole panels, for panel_silu_mul.
 at::Tensor pack_panels(at::Tensor weight, bool paired) {
-  const bool bf16 = weight.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kFloat || (bf16 && kBfloat16)),
-              "pack_panels: weight must be a float32 [out_features, in_features] tensor",
-              kBfloat16 ? " (or bfloat16)" : "");
+  const bool bf16 = weight.scalar_type() == at::kBFloat16, pairs_layout = bf16 && kPairs;
+  TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kFloat || bf16),
+              "pack_panels: weight must be a float32 or bfloat16 [out_features, in_features] "
+              "tensor");
   TORCH_CHECK(!paired || weight.size(0) % 2 == 0,
               "pack_panels: a paired (gate_up) weight needs an even number of rows");
   const at::Tensor w = weight.contiguous();
@@ -378,8 +394,8 @@ at::Tensor pack_panels(at::Tensor weight, bool paired) {
     const int64_t column = p / 2 * kLanes + j;
     return column < half ? (p % 2) * half + column : -1;
   };
-  auto panels = bf16 ? at::zeros({count, pairs, kLanes, 2}, w.options())
-                     : at::zeros({count, K, kLanes}, w.options());
+  auto panels = pairs_layout ? at::zeros({count, pairs, kLanes, 2}, w.options())
+                             : at::zeros({count, K, kLanes}, w.options());
   const auto pack = [&](auto type) {
     using T = decltype(type);
     const T* source = w.data_ptr<T>();
@@ -391,8 +407,8 @@ at::Tensor pack_panels(at::Tensor weight, bool paired) {
           if (n < 0) continue;
           const T* row = source + n * K;
           for (int64_t k = 0; k < K; ++k) {
-            const int64_t at = bf16 ? ((p * pairs + k / 2) * kLanes + j) * 2 + k % 2
-                                    : (p * K + k) * kLanes + j;
+            const int64_t at = pairs_layout ? ((p * pairs + k / 2) * kLanes + j) * 2 + k % 2
+                                            : (p * K + k) * kLanes + j;
             target[at] = row[k];
           }
         }
@@ -417,11 +433,10 @@ at::Tensor run_gemm(const at::Tensor& x, const at::Tensor& panels,
   const bool bf16 = dtype == at::kBFloat16;
   TORCH_CHECK(x.dim() == 2 && (dtype == at::kFloat || bf16) && x.stride(1) == 1, name,
               ": x must be float32 or bfloat16 [rows, in_features] with contiguous rows");
-  TORCH_CHECK(!bf16 || kBfloat16, name, ": bfloat16 needs a CPU with AVX512-BF16");
   const int64_t K = x.size(1);
   const int64_t P = paired ? 2 * num_panels(out_features) : num_panels(out_features);
   TORCH_CHECK(panels.scalar_type() == dtype && panels.is_contiguous() && panels.size(0) == P &&
-                  (bf16 ? panels.dim() == 4 && panels.size(1) == (K + 1) / 2 &&
+                  (bf16 && kPairs ? panels.dim() == 4 && panels.size(1) == (K + 1) / 2 &&
                               panels.size(2) == kLanes && panels.size(3) == 2
                         : panels.dim() == 3 && panels.size(1) == K && panels.size(2) == kLanes),
               name, ": panels must come from pack_panels for this x and ",
@@ -452,13 +467,11 @@ at::Tensor run_gemm(const at::Tensor& x, const at::Tensor& panels,
       run_panels<T>(g, begin * unit, end * unit);
     });
   };
-#if defined(__AVX512BF16__)
   if (bf16) {
     run(c10::BFloat16{});
-    return out;
+  } else {
+    run(float{});
   }
-#endif
-  run(float{});
   return out;
 }
 
@@ -481,8 +494,9 @@ at::Tensor panel_silu_mul(at::Tensor x, at::Tensor panels, std::optional<at::Ten
   return run_gemm(x, panels, bias, width, true);
 }
 
-// Whether pack_panels and panel_linear take bfloat16 here (the CPU has AVX512-BF16).
-bool panels_take_bfloat16() { return kBfloat16; }
+// Whether bfloat16 panels hold pairs of k for vdpbf16ps here (the CPU has AVX512-BF16); else
+// they are laid out as float32's and widened as they are read.
+bool panels_hold_pairs() { return kPairs; }
 
 // The output columns of one panel (pack_panels' layout, for Python to check its packing).
 int64_t panel_lanes() { return kLanes; }
@@ -492,5 +506,5 @@ TORCH_LIBRARY_FRAGMENT(brigade_cpu, m) {
   m.def("panel_linear", &panel_linear);
   m.def("panel_silu_mul", &panel_silu_mul);
   m.def("panel_lanes", &panel_lanes);
-  m.def("panels_take_bfloat16", &panels_take_bfloat16);
+  m.def("panels_hold_pairs", &panels_hold_pairs);
 }

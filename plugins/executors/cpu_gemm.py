@@ -7,9 +7,12 @@
   vector is read once and feeds one FMA per row of the batch, so at decode batch sizes, where
   a layer is mostly a read of its weight, it streams at the memory's speed: on SmolLM2's
   shapes (AVX-512, 2 threads) 1.6-2.8x oneDNN's packed GEMM at one row, 1.1-1.4x at 8-32 rows,
-  level at 128-512 (docs/benchmarks.md). In bfloat16 (CPUs with AVX512-BF16) the panels hold
+  level at 128-512 (docs/benchmarks.md). In bfloat16 on CPUs with AVX512-BF16 the panels hold
   pairs of k and one ``vdpbf16ps`` adds both products in float32, as oneDNN's bf16 kernels do;
-  elsewhere bfloat16 weights take oneDNN's packed path, and so do they on CPUs with AMX, where
+  elsewhere (AVX2) they are laid out as float32's and each weight vector is widened to float32
+  as it is read: half float32's bytes, the same FMAs (oneDNN runs no bfloat16 there, and
+  ``F.linear`` ran SmolLM2 in bfloat16 at a sixth of float32's speed). Bfloat16 weights take
+  oneDNN's packed path instead on CPUs with AMX, where
   oneDNN's tile kernels ran SmolLM2's shapes 3.5-4.5x faster than the panels at 32 rows and
   8-12x at 512 (the panels kept only one-row GEMVs, 1.4-2x; an Intel Xeon, 2 threads,
   docs/benchmarks.md). A gate_up projection (marked by its
@@ -52,9 +55,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 CPU_LINEAR_MODES = ("panels", "packed", "onednn", "plain")
-"""``[executor] cpu_linear``: Brigade's kernel on column panels (float32, and bfloat16 with
-AVX512-BF16 and without AMX; else as ``packed``), oneDNN on prepacked weights, oneDNN on the
-weights as loaded, or ``F.linear``."""
+"""``[executor] cpu_linear``: Brigade's kernel on column panels (float32 and bfloat16; on CPUs
+with AMX bfloat16 goes as ``packed``), oneDNN on prepacked weights, oneDNN on the weights as
+loaded, or ``F.linear``."""
 GATE_UP = "brigade_gate_up"
 """The attribute :func:`mark_gate_up` sets on an ``nn.Linear``."""
 PACK_ROWS = 32
@@ -102,12 +105,9 @@ def onednn_linear(
 
 
 def panels_usable(dtype: torch.dtype = torch.float32) -> bool:
-    """Whether Brigade's panel GEMM runs ``dtype`` here: float32 where the CPU kernels are
-    built, bfloat16 where they are and the CPU has AVX512-BF16."""
-    ops = _panel_ops()
-    if ops is None or dtype not in (torch.float32, torch.bfloat16):
-        return False
-    return dtype == torch.float32 or bool(ops.panels_take_bfloat16())
+    """Whether Brigade's panel GEMM runs ``dtype`` here: float32 and bfloat16 where the CPU
+    kernels are built."""
+    return dtype in (torch.float32, torch.bfloat16) and _panel_ops() is not None
 
 
 def panels_chosen(dtype: torch.dtype = torch.float32) -> bool:
@@ -146,7 +146,7 @@ def mark_gate_up(linear: nn.Linear) -> nn.Linear:
 
 class CpuLinear(nn.Module):
     """A linear layer on one of the CPU GEMMs, by ``layout``: ``panels`` (Brigade's kernel,
-    float32), ``packed`` (oneDNN on its own layout) or ``dense`` (oneDNN on the loaded
+    float32 or bfloat16), ``packed`` (oneDNN on its own layout) or ``dense`` (oneDNN on the loaded
     weight). ``gate_up`` (panels only): the layer is a gate_up projection, packed in pairs for
     :meth:`silu_mul` (``paired``)."""
 

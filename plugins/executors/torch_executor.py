@@ -71,8 +71,8 @@ class TorchExecutorOptions:
     cpu_linear: str = option(
         "panels",
         help="on a CPU, how linear layers and the LM head run: 'panels' = Brigade's GEMM on "
-        "weights packed once at load into column panels (float32, and bfloat16 on CPUs with "
-        "AVX512-BF16 but no AMX; elsewhere bfloat16 as 'packed'), 'packed' = oneDNN's matmul "
+        "weights packed once at load into column panels (float32 and bfloat16; on CPUs with "
+        "AMX bfloat16 as 'packed'), 'packed' = oneDNN's matmul "
         "on weights reordered once at load into the layout its kernels read on this CPU, "
         "'onednn' = oneDNN on the weights as loaded, 'plain' = F.linear. A packed copy "
         "replaces the loaded weight; with tied embeddings the LM head gets its own "
