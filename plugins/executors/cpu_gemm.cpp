@@ -257,8 +257,8 @@ void tile_pairs(const Gemm<c10::BFloat16>& g, const float* /*xs: not packed*/, i
 #else
 constexpr bool kPairs = false;
 
-template <int R, int P>
-void tile_pairs(const Gemm<c10::BFloat16>&, const float*, int64_t, int64_t, Ahead) {}
+template <int R, int P>  // declared for tiles_of_rows' discarded branch; never defined here
+void tile_pairs(const Gemm<c10::BFloat16>&, const float*, int64_t, int64_t, Ahead);
 #endif
 
 // Whether bfloat16 panels hold pairs of k for tile_pairs (else float32's layout, for tile).
