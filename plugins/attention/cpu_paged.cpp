@@ -1,9 +1,9 @@
 // Decode attention over the paged KV cache on a CPU, reading each row's pages in place.
 //
-// For every (row, KV head) pair (OpenMP over the pairs), the row's query heads of that KV head
-// score the row's keys, page by page, up to the row's own length (and, with a sliding window,
-// from its start); a softmax in float32 turns scores into weights; the weighted values are
-// summed. Nothing is gathered into a dense copy and no row reads past its own length, so a
+// For every row (OpenMP over the rows; over ranges of their keys when the rows are fewer than
+// twice the threads, merged by log-sum-exp after), the row's query heads score the row's keys,
+// page by page, up to the row's own length (and, with a sliding window, from its start); a
+// softmax in float32 turns scores into weights; the weighted values are summed. Nothing is gathered into a dense copy and no row reads past its own length, so a
 // batch of mixed lengths costs what its rows' tokens cost. The per-row kernels, and the
 // read-ahead that keeps a thread's next pages on their way into L2, are in cpu_rows.h.
 //
@@ -28,6 +28,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -36,6 +37,21 @@ using brigade_cpu::AttendVec;
 using brigade_cpu::attend_scalar;
 using brigade_cpu::attend_vec_for;
 using brigade_cpu::to_float;
+
+// Key ranges each (row, KV heads) task is cut into: one, unless the tasks are too few to keep
+// every thread busy (a batch of one row has as many as the model has KV heads: 3 for SmolLM2,
+// so one of two threads would read twice what the other reads, and 13 of 16 would idle). Then
+// the fewest ranges that give every thread as many tasks as the next (or at least one each),
+// each of at least kMinSplitKeys keys; the ranges' results are merged by their log-sum-exps.
+constexpr int64_t kMinSplitKeys = 64;
+
+int64_t key_splits(int64_t tasks, int64_t longest, int64_t threads) {
+  if (tasks >= 2 * threads) return 1;
+  const int64_t most = std::max<int64_t>(1, longest / kMinSplitKeys);
+  int64_t splits = 1;
+  while (splits < most && (tasks * splits < threads || tasks * splits % threads != 0)) ++splits;
+  return splits;
+}
 
 // Each row's decode attention over its keys [first, length) (first: starts[row] when starts is
 // given, else 0 or the sliding window's start), handed over as it is done:
@@ -54,16 +70,21 @@ void decode_rows(const Query* query, const Cache* key_cache, const Cache* value_
   int64_t longest = 0;
   for (int64_t row = 0; row < num_rows; ++row) longest = std::max(longest, seq_lens[row]);
   const AttendVec<Cache> vectorized = attend_vec_for<Cache>(head_dim);
-  // A task is a row's KV heads together (their keys and values are contiguous in a slot),
-  // unless there are too few rows to keep every thread busy: then one KV head of a row.
-  const int64_t span =
-      vectorized != nullptr && num_rows >= 2 * at::get_num_threads() ? num_kv_heads : 1;
+  // A task is a row's KV heads together (their keys and values are contiguous in a slot;
+  // the scalar loops take one KV head at a time), over a range of the row's keys when there
+  // are too few rows to keep every thread busy.
+  const int64_t threads = at::get_num_threads();
+  const int64_t span = vectorized != nullptr ? num_kv_heads : 1;
   const int64_t spans = num_kv_heads / span;
+  const int64_t splits = key_splits(num_rows * spans, longest, threads);
   const int64_t heads = span * group, width = heads * head_dim;  // a task's query heads
-  const brigade_cpu::DecodeTasks tasks{block_tables, seq_lens, starts, max_pages,
-                                       page_size,    window,   spans,  span};
+  const brigade_cpu::DecodeTasks tasks{block_tables, seq_lens, starts, max_pages, page_size,
+                                       window,       spans,    span,   splits};
+  const int64_t num_tasks = num_rows * spans * splits;
+  // With ranges, each task's o and lse go here, to be merged once every range is done.
+  std::vector<float> parts(splits > 1 ? num_tasks * (width + heads) : 0);
   constexpr int64_t element = sizeof(Cache);
-  at::parallel_for(0, num_rows * spans, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(heads * std::max<int64_t>(longest, 1));
     std::vector<float> widened(widen ? width : 0), o(width), lse(heads);
     brigade_cpu::ReadAhead ahead(reinterpret_cast<const char*>(key_cache),
@@ -72,7 +93,7 @@ void decode_rows(const Query* query, const Cache* key_cache, const Cache* value_
                                  head_dim * element, span * head_dim * element);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t row = tasks.row(item), kv_head = tasks.kv_head(item);
-      const auto [first, length] = tasks.range(row);
+      const auto [first, length] = tasks.range(item);
       const int64_t count = length - first;
       const int64_t* pages = tasks.pages(row);
       const int64_t head_offset = (row * num_heads + kv_head * group) * head_dim;
@@ -95,9 +116,29 @@ void decode_rows(const Query* query, const Cache* key_cache, const Cache* value_
                       head_dim, page_size, page_stride, token_stride, scale, scores.data(),
                       o.data(), lse.data());
       }
-      emit(row, kv_head * group, heads, o.data(), lse.data());
+      if (splits == 1) {
+        emit(row, kv_head * group, heads, o.data(), lse.data());
+      } else {
+        float* part = parts.data() + item * (width + heads);
+        std::copy(o.begin(), o.end(), part);
+        std::copy(lse.begin(), lse.end(), part + width);
+      }
     }
   });
+  if (splits == 1) return;
+  std::vector<float> o(width), lse(heads);
+  for (int64_t task = 0; task < num_rows * spans; ++task) {
+    const float* first_part = parts.data() + task * splits * (width + heads);
+    for (int64_t h = 0; h < heads; ++h) {
+      const auto part = [&](int64_t k) -> std::pair<const float*, float> {
+        const float* range = first_part + k * (width + heads);
+        return {range + h * head_dim, range[width + h]};
+      };
+      lse[h] = brigade_cpu::merge_parts(splits, head_dim, part, o.data() + h * head_dim);
+    }
+    const int64_t row = task / spans, kv_head = task % spans * span;
+    emit(row, kv_head * group, heads, o.data(), lse.data());
+  }
 }
 
 // Writes emitted float32 results into out [rows, heads, head_dim] as Query.
@@ -179,24 +220,15 @@ void cascade_rows(const at::Tensor& query, const at::Tensor& key_cache,
     for (int64_t h = 0; h < heads; ++h, o += head_dim) {
       Query* target = result + (row * num_heads + head + h) * head_dim;
       const int64_t kv_head = (head + h) / group, g = (head + h) % group;
-      const brigade_cpu::SharedPrefixTask* parts =
+      const brigade_cpu::SharedPrefixTask* shared =
           tasks.data() + first_task[row] + kv_head * ranges;
       const int64_t pair = slot[row] * group + g;  // this head's place in its tasks
-      float maximum = lse[h];
-      for (int64_t k = 0; k < ranges; ++k) maximum = std::max(maximum, parts[k].lse[pair]);
-      const float own = brigade_cpu::exp_clamped(lse[h] - maximum);
-      float total = own;
-      for (int64_t e = 0; e < head_dim; ++e) merged[e] = own * o[e];
-      for (int64_t k = 0; k < ranges; ++k) {
-        const float w = brigade_cpu::exp_clamped(parts[k].lse[pair] - maximum);
-        const float* part = parts[k].out + pair * head_dim;
-        total += w;
-        for (int64_t e = 0; e < head_dim; ++e) merged[e] += w * part[e];
-      }
-      const float inverse = 1.0f / total;
-      for (int64_t e = 0; e < head_dim; ++e) {
-        target[e] = brigade_cpu::from_float<Query>(merged[e] * inverse);
-      }
+      const auto part = [&](int64_t k) -> std::pair<const float*, float> {
+        if (k == 0) return {o, lse[h]};  // the row's own keys, then the shared ranges
+        return {shared[k - 1].out + pair * head_dim, shared[k - 1].lse[pair]};
+      };
+      brigade_cpu::merge_parts(ranges + 1, head_dim, part, merged.data());
+      for (int64_t e = 0; e < head_dim; ++e) target[e] = brigade_cpu::from_float<Query>(merged[e]);
     }
   };
   decode_rows(query.data_ptr<Query>(), key_cache.data_ptr<Cache>(),

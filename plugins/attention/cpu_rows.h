@@ -12,6 +12,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <utility>
 
 namespace brigade_cpu {
 
@@ -80,26 +82,55 @@ struct RowRange {
   int64_t first, length;
 };
 
-// Where decode_rows' tasks read: task `item` is row item / spans over the KV heads from
-// (item % spans) * span, its keys [first, length): from starts[row] when starts is given, else
-// from 0 or the sliding window's start.
+// Where decode_rows' tasks read: task `item` is part item % splits of row item / (spans *
+// splits), over the KV heads from ((item / splits) % spans) * span; the row's keys [first,
+// length) (from starts[row] when starts is given, else from 0 or the sliding window's start)
+// are cut into `splits` parts of whole pages, the last ones possibly empty.
 struct DecodeTasks {
   const int64_t* block_tables;  // [rows, max_pages]
   const int64_t* seq_lens;
   const int64_t* starts;  // or nullptr
-  int64_t max_pages, page_size, window, spans, span;
+  int64_t max_pages, page_size, window, spans, span, splits;
 
-  int64_t row(int64_t item) const { return item / spans; }
-  int64_t kv_head(int64_t item) const { return (item % spans) * span; }
+  int64_t row(int64_t item) const { return item / (spans * splits); }
+  int64_t kv_head(int64_t item) const { return (item / splits) % spans * span; }
   const int64_t* pages(int64_t row) const { return block_tables + row * max_pages; }
-  RowRange range(int64_t row) const {
-    const int64_t length = seq_lens[row];
+  RowRange range(int64_t item) const {
+    const int64_t row = this->row(item), length = seq_lens[row];
     const int64_t first = starts != nullptr ? starts[row]
                           : window > 0      ? std::max<int64_t>(0, length - window)
                                             : 0;
-    return {first, length};
+    if (splits == 1 || length <= first) return {first, length};
+    // Parts of whole pages, so that no page is read by two tasks.
+    const int64_t first_page = first / page_size, last_page = (length - 1) / page_size;
+    const int64_t part = (last_page - first_page + splits) / splits, k = item % splits;
+    const int64_t begin = (first_page + k * part) * page_size;
+    return {std::min(length, std::max(first, begin)), std::min(length, begin + part * page_size)};
   }
 };
+
+// Attention over disjoint key ranges of one query head, merged: part(k) gives the k-th
+// range's result o_k [head_dim] (normalized over its own keys) and its log-sum-exp lse_k; out
+// gets sum_k w_k o_k / sum_k w_k with w_k = exp(lse_k - the largest lse), and the merged
+// log-sum-exp is returned. A range without keys (lse -inf) weighs nothing; with none at all,
+// out is zeros and the result -inf.
+template <typename Part>
+inline float merge_parts(int64_t parts, int64_t head_dim, const Part& part, float* out) {
+  float maximum = -std::numeric_limits<float>::infinity();
+  for (int64_t k = 0; k < parts; ++k) maximum = std::max(maximum, part(k).second);
+  std::fill(out, out + head_dim, 0.0f);
+  if (maximum == -std::numeric_limits<float>::infinity()) return maximum;
+  float total = 0.0f;
+  for (int64_t k = 0; k < parts; ++k) {
+    const auto [o, lse] = part(k);
+    const float w = exp_clamped(lse - maximum);
+    total += w;
+    for (int64_t e = 0; e < head_dim; ++e) out[e] += w * o[e];
+  }
+  const float inverse = 1.0f / total;
+  for (int64_t e = 0; e < head_dim; ++e) out[e] *= inverse;
+  return maximum + std::log(total);
+}
 
 // Pages are scattered over the pool, so the hardware cannot see the next one coming: while a
 // page's slot j is read, the same slot of the next page is fetched into L1 (the `bytes` of its
@@ -172,10 +203,9 @@ class ReadAhead {
 
   void enter_next_task() {
     for (++item_; item_ < end_; ++item_) {
-      const int64_t row = tasks_.row(item_);
-      const RowRange range = tasks_.range(row);
+      const RowRange range = tasks_.range(item_);
       if (range.length <= range.first) continue;  // a task that reads nothing
-      pages_ = tasks_.pages(row);
+      pages_ = tasks_.pages(tasks_.row(item_));
       first_ = range.first / tasks_.page_size;
       last_ = (range.length - 1) / tasks_.page_size;
       page_ = first_;

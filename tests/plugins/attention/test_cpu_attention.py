@@ -99,11 +99,11 @@ def test_paged_decode_equals_softmax_over_each_rows_own_keys(
 
 
 @pytest.mark.parametrize("lengths", [[130], [130, 17], [40, 1, 9]])
-def test_rows_fewer_than_twice_the_threads_split_by_kv_head(
+def test_rows_fewer_than_twice_the_threads_are_cut_into_key_ranges(
     kernel: object, lengths: list[int]
 ) -> None:
-    # With fewer rows than twice the threads a task is one KV head of a row, not all of them:
-    # the scores pass then walks a single KV head's query heads.
+    # With fewer rows than twice the threads a row's keys are cut into ranges (the rows long
+    # enough for it), each range a task over all the row's KV heads.
     query, keys, values, tables, seq_lens = _paged_case(
         lengths, heads=9, kv_heads=3, head_dim=64, page_size=16, seed=len(lengths)
     )
@@ -114,6 +114,42 @@ def test_rows_fewer_than_twice_the_threads_split_by_kv_head(
     finally:
         torch.set_num_threads(threads)
     expected = _reference(query, keys, values, tables, seq_lens, 0, 0.125)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [2, 3, 5])
+@pytest.mark.parametrize(
+    ("lengths", "heads", "kv_heads", "window", "head_dim", "dtype"),
+    [
+        ([1000], 9, 3, 0, 64, torch.float32),  # one row: its 3 KV heads' keys cut into ranges
+        ([1000], 9, 3, 300, 64, torch.float32),  # a sliding window starting mid-page
+        ([517, 2], 4, 1, 0, 64, torch.bfloat16),  # a row too short to fill its ranges
+        ([700], 4, 2, 0, 36, torch.float32),  # the scalar loops
+    ],
+)
+def test_too_few_tasks_for_the_threads_are_cut_into_key_ranges_and_merged(
+    kernel: object,
+    threads: int,
+    lengths: list[int],
+    heads: int,
+    kv_heads: int,
+    window: int,
+    head_dim: int,
+    dtype: torch.dtype,
+) -> None:
+    # A batch of one row has one task per KV head; with fewer tasks than threads each task's
+    # keys are cut into ranges of whole pages, whose results merge by their log-sum-exps.
+    query, keys, values, tables, seq_lens = _paged_case(
+        lengths, heads=heads, kv_heads=kv_heads, head_dim=head_dim, page_size=16, seed=threads
+    )
+    keys, values = keys.to(dtype), values.to(dtype)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = kernel(query, keys, values, tables, seq_lens, window, 0.125)  # type: ignore[operator]
+    finally:
+        torch.set_num_threads(before)
+    expected = _reference(query, keys, values, tables, seq_lens, window, 0.125)
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
 
 
