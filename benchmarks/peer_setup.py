@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parent.parent
 DRIVERS = Path(__file__).resolve().parent / "peer_drivers"
 ENGINES = ("brigade", "transformers", "vllm", "llamacpp")
 WORKLOADS = ("uniform", "mixed", "batch1", "shared-prefix")
-EXTRA_WORKLOADS = ("long-prefix",)
+EXTRA_WORKLOADS = ("long-prefix", "batch1-long")
 """Run only when named in ``--workloads``."""
 PREFIX_WORKLOADS = ("shared-prefix", "long-prefix")
 """Run with prefix caching on."""
@@ -160,8 +160,9 @@ def make_workload(
         prompt_lens = [_scaled(shape_rng.randint(16, 512), scale) for _ in range(count)]
         output_lens = [_scaled(shape_rng.randint(16, 256), scale) for _ in range(count)]
         warmup_count, default_repeats, kind = max(1, count // 8), 1, "throughput"
-    elif name == "batch1":
-        count, prompt_lens, output_lens = 1, [_scaled(128, scale)], [_scaled(256, scale)]
+    elif name in ("batch1", "batch1-long"):  # a short prompt, or a long chat history
+        prompt_len = 128 if name == "batch1" else 2048
+        count, prompt_lens, output_lens = 1, [_scaled(prompt_len, scale)], [_scaled(256, scale)]
         warmup_count, default_repeats, kind = 1, 3, "latency"
     elif name in PREFIX_WORKLOADS:  # a system prompt of 384 tokens, or a long one of 1536
         count = _scaled(32, scale, 1)

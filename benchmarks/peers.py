@@ -40,9 +40,12 @@ Workloads (``--workloads``), greedy, EOS ignored, seeded random token ids, 2 thr
   a system prompt seen before would); median of 3.
 - ``long-prefix`` (only when named): the same with a 1536-token prefix, as a long system
   prompt or a tool catalogue would be.
+- ``batch1-long`` (only when named): batch 1 after a 2048-token prompt (a chat with a long
+  history), where decode attention reads ~95 MB of SmolLM2's K and V per token.
 
-The first three run with prefix caching off. Every run, warm-ups included, draws fresh prompt
-tokens (same lengths), so no run hits a cache left by another except the shared prefix;
+Uniform, mixed and the batch-1 workloads run with prefix caching off. Every run, warm-ups
+included, draws fresh prompt tokens (same lengths), so no run hits a cache left by another
+except the shared prefix;
 ``--repeats`` sets the timed runs of every workload and ``--scale`` shrinks counts and lengths
 (for trying the script out). Each engine's first timed run returns ``--check`` streams per
 workload; they are compared with Brigade's, tie-aware: at a stream's first divergence the
@@ -222,7 +225,10 @@ def run_engines(
     found = Measurements(
         {w: {} for w in workloads}, {w: {} for w in workloads}, {w: {} for w in workloads}, {}, []
     )
-    groups = [(False, ["uniform", "mixed", "batch1"]), (True, list(PREFIX_WORKLOADS))]
+    groups = [
+        (False, ["uniform", "mixed", "batch1", "batch1-long"]),
+        (True, list(PREFIX_WORKLOADS)),
+    ]
     logs = cache_root() / "logs" / time.strftime("%Y%m%d-%H%M%S")
     logs.mkdir(parents=True, exist_ok=True)
     print(f"driver logs: {logs}", file=sys.stderr)
