@@ -84,8 +84,11 @@ void decode_rows(const Query* query, const Cache* key_cache, const Cache* value_
   // With ranges, each task's o and lse go here, to be merged once every range is done.
   std::vector<float> parts(splits > 1 ? num_tasks * (width + heads) : 0);
   constexpr int64_t element = sizeof(Cache);
+  // The most keys one task reads: a row, or a range of whole pages of the longest row.
+  const int64_t pages = (longest + page_size - 1) / page_size;
+  const int64_t reach = std::min(longest, ((pages + splits - 1) / splits + 1) * page_size);
   at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(heads * std::max<int64_t>(longest, 1));
+    std::vector<float> scores(heads * std::max<int64_t>(reach, 1));
     std::vector<float> widened(widen ? width : 0), o(width), lse(heads);
     brigade_cpu::ReadAhead ahead(reinterpret_cast<const char*>(key_cache),
                                  reinterpret_cast<const char*>(value_cache), tasks, begin,
