@@ -124,6 +124,7 @@ def test_rows_fewer_than_twice_the_threads_are_cut_into_key_ranges(
         ([1000], 9, 3, 0, 64, torch.float32),  # one row: its 3 KV heads' keys cut into ranges
         ([1000], 9, 3, 300, 64, torch.float32),  # a sliding window starting mid-page
         ([517, 2], 4, 1, 0, 64, torch.bfloat16),  # a row too short to fill its ranges
+        ([1000, 0], 4, 1, 0, 64, torch.float32),  # a row with no keys: zeros, not NaN
         ([700], 4, 2, 0, 36, torch.float32),  # the scalar loops
     ],
 )
