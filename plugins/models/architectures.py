@@ -6,6 +6,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
 import torch
+from torch import nn
 
 from brigade.interfaces import (
     AttentionBackend,
@@ -74,7 +75,7 @@ class DecoderArchitecture(ModelArchitecture):
             )
         with torch.device("meta"):
             model = DecoderForCausalLM(config, attention, dtype, tp)
-        model = model.to_empty(device=device)
+        allocate(model, device)
         model.initialize_rope()
         return model
 
@@ -208,3 +209,15 @@ ARCHITECTURES: dict[str, type[ModelArchitecture]] = {
     for arch in (LlamaArchitecture, MistralArchitecture, Qwen2Architecture, Qwen3Architecture)
 }
 """HF ``architectures`` name -> zero-argument factory of its :class:`ModelArchitecture`."""
+
+
+def allocate(model: nn.Module, device: torch.device) -> None:
+    """``model.to_empty(device=device)`` for a model built on the meta device, without
+    ``to_empty``'s meta-tensor path: its first call imports sympy, ~1 s of every engine
+    start. Each parameter and buffer gets uninitialised memory on ``device``."""
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            empty = torch.empty(param.shape, dtype=param.dtype, device=device)
+            setattr(module, name, nn.Parameter(empty, requires_grad=param.requires_grad))
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            setattr(module, name, torch.empty(buffer.shape, dtype=buffer.dtype, device=device))

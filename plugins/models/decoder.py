@@ -238,7 +238,7 @@ class DecoderLayer(nn.Module):
 class DecoderForCausalLM(nn.Module):
     """A ``CausalLM``: token ids and positions in, hidden states out; logits on request.
 
-    Build it on the meta device and move it with ``to_empty``; then call
+    Build it on the meta device and give it memory (``architectures.allocate``); then call
     :meth:`initialize_rope` (the cos/sin cache is computed, not loaded).
 
     With ``tp`` (tensor parallelism, ``brigade.plugins.models.parallel``) this is one rank's
