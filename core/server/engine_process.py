@@ -8,6 +8,7 @@ current step on SIGTERM, and exits by itself when its parent (the supervisor) is
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import shutil
 import signal
@@ -28,6 +29,7 @@ from brigade.server.lifecycle import EXIT_STARTUP_ERROR
 
 __all__ = [
     "engine_threads",
+    "freeze_startup_heap",
     "load_engine",
     "open_engine_socket",
     "remove_from_run_dir",
@@ -52,6 +54,16 @@ def watch_parent(parent_pid: int, leave: Callable[[], None] | None = None) -> No
         os._exit(1)
 
     threading.Thread(target=watch, name="brigade-parent-watch", daemon=True).start()
+
+
+def freeze_startup_heap() -> None:
+    """Move every object alive now (the imported modules, the model, the app: ~200,000 with
+    torch and transformers) out of the garbage collector's sight, as vLLM's server does. A
+    full collection then no longer walks them: in an engine process it took 150-160 ms (a
+    stall in every stream) and made the interpreter's exit ~0.65 s longer. Called once, when
+    a server process has finished starting."""
+    gc.collect()
+    gc.freeze()
 
 
 def remove_ipc_address(address: str) -> None:
@@ -111,6 +123,7 @@ def run_engine_process(
     except BrigadeError as exc:  # the model or the config: what the CLI says for it, and 2
         print(f"brigade: error: {exc}", file=sys.stderr, flush=True)
         sys.exit(EXIT_STARTUP_ERROR)
+    freeze_startup_heap()
     context = zmq.Context()
     socket = open_engine_socket(context)
     socket.bind(address)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from brigade.errors import EngineDeadError
-from brigade.server.engine_process import remove_from_run_dir, watch_parent
+from brigade.server.engine_process import freeze_startup_heap, remove_from_run_dir, watch_parent
 from brigade.server.lifecycle import EXIT_ENGINE_DEAD, EXIT_STARTUP_ERROR
 
 if TYPE_CHECKING:
@@ -99,4 +99,5 @@ def run_frontend_process(
         )
         streams = ReplicatedEngine(clients, router)  # type: ignore[assignment]
     state = frontend_state(config, registry, streams, checkpoint, metrics_dir=metrics_dir)
+    freeze_startup_heap()
     sys.exit(run_http(state, config, sock, announce=index == 0))

@@ -17,6 +17,7 @@ from brigade.models.checkpoint import require_tokenizer
 from brigade.registry import Registry, default_registry
 from brigade.server.app import ServerState, create_app
 from brigade.server.async_engine import AsyncEngine
+from brigade.server.engine_process import freeze_startup_heap
 from brigade.server.frontend import Frontend
 from brigade.server.http import GuardedH11Protocol, ThrottledWarnings
 from brigade.server.lifecycle import ABORT_GRACE_S, BrigadeServer
@@ -119,8 +120,10 @@ def serve(config_path: str | None, overrides: list[str]) -> int:
     if settings.engine_process:
         from brigade.server.processes import supervise
 
+        freeze_startup_heap()  # the plugins' imports: its exit would walk them for ~0.6 s
         return supervise(config_path, overrides, config, sock)
     state = build_state(config, registry)
+    freeze_startup_heap()
     if isinstance(state.async_engine, AsyncEngine):
         print(startup_banner(state.async_engine.engine), flush=True)
     return run_http(state, config, sock, announce=True)
