@@ -113,6 +113,11 @@ def find_engines(args: argparse.Namespace) -> dict[str, Engine]:
         # attribute 'finalize_loading'") and recompiles at every start (~100 s); without AOT
         # the inductor cache under VLLM_CACHE_ROOT is reused. Only startup changes.
         "VLLM_USE_AOT_COMPILE": os.environ.get("VLLM_USE_AOT_COMPILE", "0"),
+        # Taking turns stops vLLM (SIGSTOP) while the others run; its engine core may be
+        # waiting on a worker's step then, and vLLM's clock keeps running: after a peer's
+        # turn longer than its 300 s default it gave up ("RPC call to execute_model timed
+        # out", llama.cpp's mixed turn on the AMX Xeon). Our own --timeout bounds a call.
+        "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": str(int(args.timeout)),
     }
     llama_missing = ""
     if not llama_python.exists():
