@@ -13,7 +13,9 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <utility>
+#include <vector>
 
 namespace brigade_cpu {
 
@@ -275,6 +277,52 @@ inline void score_block(const float* qg, const Cache* const (&key)[kLanes], int6
   }
 }
 
+// score_block for bfloat16 keys read in pairs (load_pairs): qs is the query head split the
+// same way (split_pairs), so each key's products pair the same elements.
+template <int C>
+inline void score_block_pairs(const float* qs, const c10::BFloat16* const (&key)[kLanes],
+                              int64_t m, float scale, float* out) {
+  vecf acc[kLanes];
+  for (int j = 0; j < kLanes; ++j) acc[j] = vecf{};
+  for (int c = 0; c < C; c += 2) {
+    const vecf qe = load_vec(qs + c * kLanes), qo = load_vec(qs + (c + 1) * kLanes);
+    for (int j = 0; j < kLanes; ++j) {
+      vecf even, odd;
+      load_pairs(key[j] + c * kLanes, even, odd);
+      acc[j] += even * qe;
+      acc[j] += odd * qo;
+    }
+  }
+  const vecf scores = sum_each(acc) * scale;
+  if (m == kLanes) {
+    store_vec(out, scores);
+  } else {
+    std::memcpy(out, &scores, m * sizeof(float));
+  }
+}
+
+// Each of `heads` vectors of C * kLanes floats, from its natural order to load_pairs' (per
+// 2 * kLanes elements: the even ones, then the odd ones), or back (`back`).
+template <int C>
+inline void split_pairs(float* v, int64_t heads, bool back) {
+  float copy[C * kLanes];
+  for (int64_t g = 0; g < heads; ++g, v += C * kLanes) {
+    std::memcpy(copy, v, sizeof(copy));
+    for (int c = 0; c < C; c += 2) {
+      for (int l = 0; l < kLanes; ++l) {
+        const int natural = c * kLanes + 2 * l, split = c * kLanes + l;
+        if (back) {
+          v[natural] = copy[split];
+          v[natural + 1] = copy[split + kLanes];
+        } else {
+          v[split] = copy[natural];
+          v[split + kLanes] = copy[natural + 1];
+        }
+      }
+    }
+  }
+}
+
 // One row's KV heads [h0, h0 + kv_heads): their query heads q [kv_heads * group, head_dim]
 // against the row's keys in [first, length) -> o [kv_heads * group, head_dim] (head_dim =
 // C * kLanes); `offset` is h0's element offset within a slot, s holds [kv_heads * group,
@@ -292,6 +340,17 @@ void attend_vec(const float* q, const Cache* key_cache, const Cache* value_cache
   const int64_t count = length - first;
   const int64_t heads = kv_heads * group;
   const int64_t span_bytes = kv_heads * head_dim * static_cast<int64_t>(sizeof(Cache));
+  // bfloat16 read in pairs (load_pairs): the query split to match; o is summed split and put
+  // back in order at the end. The same sums in the same order for each output element; the
+  // scores add a key's products in another order.
+  constexpr bool pairs = std::is_same_v<Cache, c10::BFloat16> && C % 2 == 0;
+  const float* qs = q;
+  if constexpr (pairs) {
+    thread_local std::vector<float> split;
+    split.assign(q, q + heads * head_dim);
+    split_pairs<C>(split.data(), heads, false);
+    qs = split.data();
+  }
   // Pass 1: scores, a block of keys at a time for each query head.
   for_each_page(pages, first, length, page_size, page_stride, token_stride,
                 [&](int64_t page, int64_t next, int64_t t0, int64_t n) {
@@ -318,7 +377,13 @@ void attend_vec(const float* q, const Cache* key_cache, const Cache* value_cache
                       for (int64_t g = h * group; g < (h + 1) * group; ++g) {
                         if (fetched < j0 + m) fetch(fetched, fetched + 1);
                         ++fetched;
-                        score_block<C>(q + g * head_dim, key, m, scale, s + g * count + t0 + j0);
+                        if constexpr (pairs) {
+                          score_block_pairs<C>(qs + g * head_dim, key, m, scale,
+                                               s + g * count + t0 + j0);
+                        } else {
+                          score_block<C>(q + g * head_dim, key, m, scale,
+                                         s + g * count + t0 + j0);
+                        }
                       }
                     }
                     fetch(std::min(fetched, j0 + m), j0 + m);
@@ -352,7 +417,16 @@ void attend_vec(const float* q, const Cache* key_cache, const Cache* value_cache
             }
             for (int i = 0; i < H; ++i) {
               const vecf weight = vecf{} + w[i][j];
-              for (int c = 0; c < C; ++c) acc[i][c] += weight * load_vec(value[i] + c * kLanes);
+              if constexpr (pairs) {
+                for (int c = 0; c < C; c += 2) {
+                  vecf even, odd;
+                  load_pairs(value[i] + c * kLanes, even, odd);
+                  acc[i][c] += weight * even;
+                  acc[i][c + 1] += weight * odd;
+                }
+              } else {
+                for (int c = 0; c < C; ++c) acc[i][c] += weight * load_vec(value[i] + c * kLanes);
+              }
               value[i] += token_stride;
             }
           }
@@ -365,6 +439,7 @@ void attend_vec(const float* q, const Cache* key_cache, const Cache* value_cache
         }
         ahead.prefetch_slots(far, n, page_size);
       });
+  if constexpr (pairs) split_pairs<C>(o, heads, true);
 }
 
 template <typename Cache>

@@ -62,6 +62,19 @@ inline vecf load_vec(const c10::BFloat16* p) {
 
 inline void store_vec(float* p, vecf v) { std::memcpy(p, &v, sizeof(v)); }
 
+// 2 * kLanes bfloat16 at p as floats, with no lane-crossing shuffle: `even` gets elements 0, 2,
+// 4, ..., `odd` elements 1, 3, 5, ... (a 32-bit lane holds a pair; little-endian). load_vec's
+// widening shuffles one port that the FMAs and the kernels' sums also need: this takes a
+// shift and a mask.
+inline void load_pairs(const c10::BFloat16* p, vecf& even, vecf& odd) {
+  static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "load_pairs reads pairs little-endian");
+  vecw pairs;
+  std::memcpy(&pairs, p, sizeof(pairs));
+  const vecw low = pairs << 16, high = pairs & 0xFFFF0000u;
+  std::memcpy(&even, &low, sizeof(even));
+  std::memcpy(&odd, &high, sizeof(odd));
+}
+
 // Rounded to nearest even (NaN kept a NaN), as cpu_scalar.h's from_float does one value.
 inline vech bfloat16_bits(vecf v) {
   vecw bits;
