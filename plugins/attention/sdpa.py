@@ -164,7 +164,8 @@ class SdpaOptions:
         True,
         help="on a CPU, prefill chunks attend causally over the paged KV in place with "
         "Brigade's C++ kernel instead of SDPA on gathered keys and masks (float32 or "
-        "bfloat16, head sizes a multiple of the CPU's vector width)",
+        "bfloat16, head sizes a multiple of the CPU's vector width; not bfloat16 on a CPU with "
+        "AMX, where torch's flash attention multiplies on AMX tiles and is faster)",
     )
 
 
@@ -185,6 +186,8 @@ class SdpaBackend(AttentionBackend):
         """The C++ decode kernel once resolved (False: unavailable here)."""
         self._prefill: Any = None
         """(the C++ prefill kernel, the CPU's vector lanes) once resolved (False: unavailable)."""
+        self._amx = False
+        """Whether the CPU has AMX tiles (learned with the prefill kernel)."""
 
     def _decode_kernel(self, device: torch.device) -> Any:
         if device.type != "cpu" or not self._native:
@@ -204,14 +207,24 @@ class SdpaBackend(AttentionBackend):
         if {query.dtype, key_cache.dtype} - {torch.float32, torch.bfloat16}:
             return None
         from brigade.plugins.attention.cpu_kernels import cpu_ops, kernels_take_head_dim
+        from brigade.plugins.executors.cpu_gemm import has_amx
 
         if self._prefill is None:
             ops = cpu_ops()
             self._prefill = (ops.paged_prefill, int(ops.vector_lanes())) if ops else False
+            self._amx = has_amx()
         if not self._prefill:
             return None
         kernel, lanes = self._prefill
-        return kernel if kernels_take_head_dim(layer.head_dim, lanes) else None
+        if not kernels_take_head_dim(layer.head_dim, lanes):
+            return None
+        # bfloat16 on a CPU with AMX: torch's flash attention multiplies on AMX tiles, gathered
+        # keys and masks included; on an AMX Xeon a 512-token SmolLM2 prompt took 30.8 ms of
+        # attention there against the kernel's 55.2, and the mixed workload's steps with
+        # prefill chunks 402-415 ms against 437-446 (docs/benchmarks.md).
+        if self._amx and query.dtype == key_cache.dtype == torch.bfloat16:
+            return None
+        return kernel
 
     def build_metadata(self, batch: ModelInput) -> SdpaMetadata:
         """Host maxima and per-chunk bounds from the ``*_cpu`` copies; no device sync."""

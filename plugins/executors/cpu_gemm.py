@@ -43,6 +43,7 @@ __all__ = [
     "CPU_LINEAR_MODES",
     "GATE_UP",
     "CpuLinear",
+    "has_amx",
     "mark_gate_up",
     "onednn_linear",
     "onednn_usable",
@@ -116,10 +117,10 @@ def panels_chosen(dtype: torch.dtype = torch.float32) -> bool:
     runs bfloat16, whose AMX kernels are several times faster from a few rows on."""
     if not panels_usable(dtype):
         return False
-    return not (dtype == torch.bfloat16 and _has_amx() and onednn_usable(dtype))
+    return not (dtype == torch.bfloat16 and has_amx() and onednn_usable(dtype))
 
 
-def _has_amx() -> bool:
+def has_amx() -> bool:
     """Whether the CPU has AMX tiles (Intel Xeons from Sapphire Rapids on), per torch."""
     check = getattr(torch.cpu, "_is_amx_tile_supported", None)
     try:

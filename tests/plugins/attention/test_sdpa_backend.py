@@ -129,6 +129,36 @@ def test_prefill_chunks_take_the_cpu_kernel_not_sdpa(monkeypatch: pytest.MonkeyP
         run_backend(SdpaBackend(SdpaOptions(native_prefill=False)), case)
 
 
+@pytest.mark.parametrize("amx", [True, False])
+def test_bfloat16_prefill_takes_flash_attention_where_the_cpu_has_amx(
+    monkeypatch: pytest.MonkeyPatch, amx: bool
+) -> None:
+    # On an AMX Xeon torch's flash attention took a 512-token bf16 prompt in 30.8 ms, the
+    # kernel in 55.2; float32 has no AMX kernels and stays on the kernel.
+    from brigade.plugins.executors import cpu_gemm
+
+    monkeypatch.setattr(cpu_gemm, "has_amx", lambda: amx)
+    calls: list[str] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append("sdpa")
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counted)
+    shape: dict[str, Any] = {"num_heads": 8, "num_kv_heads": 2, "head_dim": 64, "page_size": 4}
+    # a decode, a whole prompt, a chunk after cached keys
+    case = _case([(1, 6), (7, 0), (5, 9)], dtype=torch.bfloat16, **shape)
+    output, _ = run_backend(_backend(native=True), case)
+    torch.testing.assert_close(output.double(), naive_attention(case), atol=3e-2, rtol=0)
+    assert len(calls) == (2 if amx else 0), "one SDPA call per prefill chunk, only with AMX"
+    calls.clear()
+    case = _case([(1, 6), (7, 0), (5, 9)], **shape)
+    output, _ = run_backend(_backend(native=True), case)
+    torch.testing.assert_close(output.double(), naive_attention(case), atol=ATOL, rtol=0)
+    assert calls == [], "float32 stays on the kernel"
+
+
 def test_metadata_is_built_once_per_window_and_reused() -> None:
     case = _case(MIXED_ROWS, num_heads=4, num_kv_heads=2, head_dim=64, page_size=4)
     backend = SdpaBackend(NoOptions())
