@@ -255,6 +255,16 @@ constexpr int value_heads(int c) {
   return std::max(1, std::min(4, (kVectorRegisters - 2) / (c + 1)));
 }
 
+// out[0, m) = the sums of acc[0, m)'s lanes, times scale (all kLanes summed at once).
+inline void store_scores(vecf (&acc)[kLanes], int64_t m, float scale, float* out) {
+  const vecf scores = sum_each(acc) * scale;
+  if (m == kLanes) {
+    store_vec(out, scores);
+  } else {
+    std::memcpy(out, &scores, m * sizeof(float));
+  }
+}
+
 // Scores of query head qg against the keys of a block, key[0, m) (m <= kLanes; the caller
 // repeats the last key in key[m, kLanes)): out[j] = qg . key_j * scale. Each key's products
 // stay in its own vector, and sum_each adds up all kLanes of them at once (no horizontal sum
@@ -269,12 +279,7 @@ inline void score_block(const float* qg, const Cache* const (&key)[kLanes], int6
     const vecf qc = load_vec(qg + c * kLanes);
     for (int j = 0; j < kLanes; ++j) acc[j] += load_vec(key[j] + c * kLanes) * qc;
   }
-  const vecf scores = sum_each(acc) * scale;
-  if (m == kLanes) {
-    store_vec(out, scores);
-  } else {
-    std::memcpy(out, &scores, m * sizeof(float));
-  }
+  store_scores(acc, m, scale, out);
 }
 
 // score_block for bfloat16 keys read in pairs (load_pairs): qs is the query head split the
@@ -293,12 +298,7 @@ inline void score_block_pairs(const float* qs, const c10::BFloat16* const (&key)
       acc[j] += odd * qo;
     }
   }
-  const vecf scores = sum_each(acc) * scale;
-  if (m == kLanes) {
-    store_vec(out, scores);
-  } else {
-    std::memcpy(out, &scores, m * sizeof(float));
-  }
+  store_scores(acc, m, scale, out);
 }
 
 // Each of `heads` vectors of C * kLanes floats, from its natural order to load_pairs' (per
