@@ -8,8 +8,10 @@ On a CPU, decode rows instead go through Brigade's C++ kernel (``native_decode``
 default): it reads each row's pages in place up to that row's own length, where the gather
 copies every row's pages up to the longest row's. Prefill chunks likewise go through its
 prefill kernel (``native_prefill``): every chunk of the step in one call, causal over the pages
-in place, no gathered keys and no mask tensors. Their build is cached; where it cannot be built
-(or the head size does not fit its vectors), attention takes the SDPA paths above.
+in place, no gathered keys and no mask tensors; except bfloat16 on a CPU with AMX, whose
+prefills take SDPA's flash attention (its block GEMMs run on AMX tiles, faster than the
+kernel's vectors). Their build is cached; where it cannot be built (or the head size does not
+fit its vectors), attention takes the SDPA paths above.
 """
 
 from __future__ import annotations
