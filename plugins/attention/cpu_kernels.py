@@ -32,7 +32,13 @@ import torch
 
 from brigade.cache import cache_root
 
-__all__ = ["cpu_ops", "exclusive_build", "kernels_take_head_dim", "paged_decode_kernel"]
+__all__ = [
+    "cpu_ops",
+    "exclusive_build",
+    "has_amx",
+    "kernels_take_head_dim",
+    "paged_decode_kernel",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +145,15 @@ def cpu_ops() -> Any:
                 lines[-1] if lines else repr(error),
             )
             return None
+
+
+def has_amx() -> bool:
+    """Whether the CPU has AMX tiles (Intel Xeons from Sapphire Rapids on), per torch."""
+    check = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    try:
+        return bool(check()) if check is not None else False
+    except Exception:  # a private torch helper: never let it stop a model from loading
+        return False
 
 
 def kernels_take_head_dim(head_dim: int, lanes: int) -> bool:

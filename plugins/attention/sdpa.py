@@ -208,8 +208,7 @@ class SdpaBackend(AttentionBackend):
             return None
         if {query.dtype, key_cache.dtype} - {torch.float32, torch.bfloat16}:
             return None
-        from brigade.plugins.attention.cpu_kernels import cpu_ops, kernels_take_head_dim
-        from brigade.plugins.executors.cpu_gemm import has_amx
+        from brigade.plugins.attention.cpu_kernels import cpu_ops, has_amx, kernels_take_head_dim
 
         if self._prefill is None:
             ops = cpu_ops()

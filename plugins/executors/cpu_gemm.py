@@ -43,7 +43,6 @@ __all__ = [
     "CPU_LINEAR_MODES",
     "GATE_UP",
     "CpuLinear",
-    "has_amx",
     "mark_gate_up",
     "onednn_linear",
     "onednn_usable",
@@ -115,18 +114,11 @@ def panels_chosen(dtype: torch.dtype = torch.float32) -> bool:
     """Whether ``cpu_linear = "panels"`` puts layers of ``dtype`` on the panel GEMM here: where
     it runs them (:func:`panels_usable`), except bfloat16 on a CPU with AMX tiles when oneDNN
     runs bfloat16, whose AMX kernels are several times faster from a few rows on."""
+    from brigade.plugins.attention.cpu_kernels import has_amx
+
     if not panels_usable(dtype):
         return False
     return not (dtype == torch.bfloat16 and has_amx() and onednn_usable(dtype))
-
-
-def has_amx() -> bool:
-    """Whether the CPU has AMX tiles (Intel Xeons from Sapphire Rapids on), per torch."""
-    check = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    try:
-        return bool(check()) if check is not None else False
-    except Exception:  # a private torch helper: never let it stop a model from loading
-        return False
 
 
 def _panel_ops() -> Any:

@@ -135,9 +135,9 @@ def test_bfloat16_prefill_takes_flash_attention_where_the_cpu_has_amx(
 ) -> None:
     # On an AMX Xeon torch's flash attention took a 512-token bf16 prompt in 30.8 ms, the
     # kernel in 55.2; float32 has no AMX kernels and stays on the kernel.
-    from brigade.plugins.executors import cpu_gemm
+    from brigade.plugins.attention import cpu_kernels
 
-    monkeypatch.setattr(cpu_gemm, "has_amx", lambda: amx)
+    monkeypatch.setattr(cpu_kernels, "has_amx", lambda: amx)
     calls: list[str] = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
