@@ -35,7 +35,16 @@ from brigade import LLM, SamplingParams
 CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
         "gemm",
-        ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm", "mkldnn", "panel"),
+        (
+            "aten::mm",
+            "aten::addmm",
+            "aten::linear",
+            "aten::matmul",
+            "aten::bmm",
+            "mkldnn",
+            "panel",
+            "tile_",
+        ),
     ),
     ("fused decode layers (attention, norms, RoPE, SiLU)", ("decode_layers",)),
     (

@@ -45,6 +45,11 @@ at::Tensor panel_linear(at::Tensor x, at::Tensor panels, std::optional<at::Tenso
                         int64_t out_features);
 at::Tensor panel_silu_mul(at::Tensor x, at::Tensor panels, std::optional<at::Tensor> bias,
                           int64_t width);
+// cpu_tiles.cpp
+at::Tensor tile_linear(at::Tensor x, at::Tensor blocks, std::optional<at::Tensor> bias,
+                       int64_t out_features);
+at::Tensor tile_silu_mul(at::Tensor x, at::Tensor blocks, std::optional<at::Tensor> bias,
+                         int64_t width);
 
 namespace {
 
@@ -226,14 +231,16 @@ std::tuple<at::Tensor, at::Tensor> rope(at::Tensor q, at::Tensor k, at::Tensor c
 }
 
 // How decode_layers runs the model's linear layers (``CpuDecodeLayers`` passes it).
-enum Gemm : int64_t { kPlain = 0, kOneDnn = 1, kPanels = 2 };
+enum Gemm : int64_t { kPlain = 0, kOneDnn = 1, kPanels = 2, kTiles = 3 };
 
-// The model's linear layer as the eager forward runs it: Brigade's panel GEMM or oneDNN's
-// matmul (``CpuLinear``, on panels, a packed or a dense weight), or F.linear (a plain
-// ``nn.Linear``). out_features: the layer's width (panels are padded to whole vectors).
+// The model's linear layer as the eager forward runs it: Brigade's panel or tile GEMM or
+// oneDNN's matmul (``CpuLinear``, on panels, tile blocks, a packed or a dense weight), or
+// F.linear (a plain ``nn.Linear``). out_features: the layer's width (panels and blocks are
+// padded).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
                   const std::optional<at::Tensor>& bias, int64_t gemm, int64_t out_features) {
   if (gemm == kPanels) return panel_linear(x, weight, bias, out_features);
+  if (gemm == kTiles) return tile_linear(x, weight, bias, out_features);
   if (gemm == kPlain) return at::linear(x, weight, bias);
   static const c10::OperatorHandle op =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
@@ -258,8 +265,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
 // norm, gate_up, down; biases[4l .. 4l+3] = qkv, o, gate_up, down (None when absent);
 // windows[l] the sliding window (0: none); gemm how the linear layers run (enum Gemm) and
 // intermediate the MLP's width (the panel GEMM needs each layer's width); paired_gate_up: the
-// gate_up weights are paired panels (pack_panels(paired=True)), their SiLU-mul done in the
-// GEMM (panel_silu_mul, the same results). Returns the residual stream after the last layer
+// gate_up weights are paired panels or tile blocks (pack_panels or tile_pack, paired=True),
+// their SiLU-mul done in the GEMM (panel_silu_mul or tile_silu_mul, the same results). Returns the residual stream after the last layer
 // (before the final norm).
 at::Tensor decode_layers(at::Tensor hidden, at::Tensor cos, at::Tensor sin,
                          std::vector<at::Tensor> key_caches, std::vector<at::Tensor> value_caches,
@@ -275,9 +282,10 @@ at::Tensor decode_layers(at::Tensor hidden, at::Tensor cos, at::Tensor sin,
                   static_cast<int64_t>(biases.size()) == 4 * num_layers &&
                   static_cast<int64_t>(windows.size()) == num_layers,
               "decode_layers: per-layer lists of mismatched lengths");
-  TORCH_CHECK(gemm == kPlain || gemm == kOneDnn || gemm == kPanels,
-              "decode_layers: gemm must be 0 (F.linear), 1 (oneDNN) or 2 (panels)");
-  TORCH_CHECK(!paired_gate_up || gemm == kPanels, "decode_layers: paired gate_up needs panels");
+  TORCH_CHECK(gemm == kPlain || gemm == kOneDnn || gemm == kPanels || gemm == kTiles,
+              "decode_layers: gemm must be 0 (F.linear), 1 (oneDNN), 2 (panels) or 3 (tiles)");
+  TORCH_CHECK(!paired_gate_up || gemm == kPanels || gemm == kTiles,
+              "decode_layers: paired gate_up needs panels or tiles");
   const int64_t tokens = hidden.size(0), hidden_size = hidden.size(1);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   for (int64_t l = 0; l < num_layers; ++l) {
@@ -303,8 +311,9 @@ at::Tensor decode_layers(at::Tensor hidden, at::Tensor cos, at::Tensor sin,
         linear(attention.view({tokens, q_size}), w[2], bias(1), gemm, hidden_size);
     auto [summed, post] = add_rms_norm(hidden, delta, w[3], eps);
     const at::Tensor activated =
-        paired_gate_up ? panel_silu_mul(post, w[4], bias(2), intermediate)
-                       : silu_mul(linear(post, w[4], bias(2), gemm, 2 * intermediate));
+        !paired_gate_up  ? silu_mul(linear(post, w[4], bias(2), gemm, 2 * intermediate))
+        : gemm == kTiles ? tile_silu_mul(post, w[4], bias(2), intermediate)
+                         : panel_silu_mul(post, w[4], bias(2), intermediate);
     hidden = at::add(summed, linear(activated, w[5], bias(3), gemm, hidden_size));
   }
   return hidden;

@@ -3,7 +3,8 @@ paged KV cache (``cpu_paged.cpp``, its per-row kernels in ``cpu_rows.h``; rows s
 read it once, ``cpu_cascade.cpp``),
 prefill attention (``cpu_prefill.cpp``) and a decoder layer's small fused operations
 (``cpu_fused.cpp``: RMSNorm with and without the residual add, SiLU-mul, RoPE), the executor's
-panel GEMM (``executors/cpu_gemm.cpp``) and the standard sampler's draw
+panel GEMM (``executors/cpu_gemm.cpp``), its bfloat16 GEMM on AMX tiles
+(``executors/cpu_tiles.cpp``) and the standard sampler's draw
 (``samplers/cpu_sample.cpp``), all in ``torch.ops.brigade_cpu``.
 
 The build (a few seconds to a minute, once per machine and torch version) goes to
@@ -48,6 +49,7 @@ _SOURCES = (
         for name in ("cpu_paged.cpp", "cpu_cascade.cpp", "cpu_prefill.cpp", "cpu_fused.cpp")
     ),
     Path(__file__).parent.parent / "executors" / "cpu_gemm.cpp",  # the panel GEMM
+    Path(__file__).parent.parent / "executors" / "cpu_tiles.cpp",  # the AMX tile GEMM
     Path(__file__).parent.parent / "samplers" / "cpu_sample.cpp",  # the sampler's draw
 )
 _HEADERS = tuple(

@@ -11,15 +11,20 @@
   pairs of k and one ``vdpbf16ps`` adds both products in float32, as oneDNN's bf16 kernels do;
   elsewhere (AVX2) they are laid out as float32's and each weight vector is widened to float32
   as it is read: half float32's bytes, the same FMAs (oneDNN runs no bfloat16 there, and
-  ``F.linear`` ran SmolLM2 in bfloat16 at a sixth of float32's speed). Bfloat16 weights take
-  oneDNN's packed path instead on CPUs with AMX, where
-  oneDNN's tile kernels ran SmolLM2's shapes 3.5-4.5x faster than the panels at 32 rows and
-  8-12x at 512 (the panels kept only one-row GEMVs, 1.4-2x; an Intel Xeon, 2 threads,
-  docs/benchmarks.md). A gate_up projection (marked by its
-  model with :func:`mark_gate_up`) packs its gate and up panels in pairs, so that
-  :meth:`CpuLinear.silu_mul` computes ``silu(gate) * up`` as the GEMM stores its tile, without
-  writing the projection's output (4-6% faster than the GEMM and the SiLU-mul one after the
-  other, the same results).
+  ``F.linear`` ran SmolLM2 in bfloat16 at a sixth of float32's speed).
+  Bfloat16 weights take oneDNN's packed path instead on CPUs with AMX, where oneDNN's tile
+  kernels ran SmolLM2's shapes 3.5-4.5x faster than the panels at 32 rows and 8-12x at 512
+  (the panels kept only one-row GEMVs, 1.4-2x; an Intel Xeon, 2 threads, docs/benchmarks.md).
+- ``tiles``: as ``panels``, except that on CPUs with AMX bfloat16 weights go to Brigade's tile
+  GEMM (``cpu_tiles.cpp``): blocks of 32 output columns in the layout of oneDNN's AMX
+  micro-kernel, one call per block over all of K. For latency-bound serving: on SmolLM2 it
+  made a one-row decode step ~20% faster than oneDNN's matmul, level at 64-512 rows, and a
+  2048-token chunk's GEMMs ~1.3x slower (an Intel Xeon, 2 threads, docs/benchmarks.md).
+
+A gate_up projection (marked by its model with :func:`mark_gate_up`) packs its gate and up
+columns in pairs on panels and tiles, so that :meth:`CpuLinear.silu_mul` computes
+``silu(gate) * up`` as the GEMM stores its output, without writing the projection's output (on
+panels 4-6% faster than the GEMM and the SiLU-mul one after the other; the same results).
 - ``packed``: oneDNN's matmul (``torch.ops.mkldnn._linear_pointwise``) on the weight
   reordered once into the blocked layout its kernels read for this CPU
   (``torch.ops.mkldnn._reorder_linear_weight``), as vLLM-CPU does; ``onednn`` runs it on the
@@ -49,15 +54,17 @@ __all__ = [
     "pack_weight",
     "panels_chosen",
     "panels_usable",
+    "tiles_usable",
     "use_cpu_linears",
 ]
 
 logger = logging.getLogger(__name__)
 
-CPU_LINEAR_MODES = ("panels", "packed", "onednn", "plain")
+CPU_LINEAR_MODES = ("panels", "tiles", "packed", "onednn", "plain")
 """``[executor] cpu_linear``: Brigade's kernel on column panels (float32 and bfloat16; on CPUs
-with AMX bfloat16 goes as ``packed``), oneDNN on prepacked weights, oneDNN on the weights as
-loaded, or ``F.linear``."""
+with AMX bfloat16 goes as ``packed``), the same with bfloat16 on Brigade's AMX tile GEMM
+where the CPU has AMX, oneDNN on prepacked weights, oneDNN on the weights as loaded, or
+``F.linear``."""
 GATE_UP = "brigade_gate_up"
 """The attribute :func:`mark_gate_up` sets on an ``nn.Linear``."""
 PACK_ROWS = 32
@@ -121,6 +128,17 @@ def panels_chosen(dtype: torch.dtype = torch.float32) -> bool:
     return not (dtype == torch.bfloat16 and has_amx() and onednn_usable(dtype))
 
 
+def tiles_usable(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether Brigade's AMX tile GEMM runs ``dtype`` here: bfloat16 on a CPU with AMX tiles,
+    where the kernels are built and torch packs for oneDNN's AMX micro-kernel."""
+    from brigade.plugins.attention.cpu_kernels import has_amx
+
+    if dtype != torch.bfloat16 or not has_amx():
+        return False
+    ops = _panel_ops()
+    return ops is not None and bool(ops.tiles_usable())
+
+
 def _panel_ops() -> Any:
     from brigade.plugins.attention.cpu_kernels import cpu_ops
 
@@ -139,23 +157,27 @@ def mark_gate_up(linear: nn.Linear) -> nn.Linear:
 
 class CpuLinear(nn.Module):
     """A linear layer on one of the CPU GEMMs, by ``layout``: ``panels`` (Brigade's kernel,
-    float32 or bfloat16), ``packed`` (oneDNN on its own layout) or ``dense`` (oneDNN on the loaded
-    weight). ``gate_up`` (panels only): the layer is a gate_up projection, packed in pairs for
-    :meth:`silu_mul` (``paired``)."""
+    float32 or bfloat16), ``tiles`` (Brigade's AMX kernel, bfloat16), ``packed`` (oneDNN on its
+    own layout) or ``dense`` (oneDNN on the loaded weight). ``gate_up`` (panels and tiles): the
+    layer is a gate_up projection, packed in pairs for :meth:`silu_mul` (``paired``)."""
+
+    LAYOUTS = ("panels", "tiles", "packed", "dense")
 
     def __init__(self, linear: nn.Linear, layout: str, *, gate_up: bool = False) -> None:
         super().__init__()
-        if layout not in ("panels", "packed", "dense"):
-            raise ValueError(f"layout {layout!r} is not one of 'panels', 'packed', 'dense'")
+        if layout not in self.LAYOUTS:
+            raise ValueError(f"layout {layout!r} is not one of {', '.join(self.LAYOUTS)}")
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.bias = linear.bias
         self.layout = layout
-        self.paired = gate_up and layout == "panels"
+        self.paired = gate_up and layout in ("panels", "tiles")
         self.packed: torch.Tensor | None = None
         """The weight in the kernel's layout (the dense one is dropped), or None (dense)."""
         if layout == "panels":
             self.packed = _panel_ops().pack_panels(linear.weight.detach(), self.paired)
+        elif layout == "tiles":
+            self.packed = _panel_ops().tile_pack(linear.weight.detach(), self.paired)
         elif layout == "packed":
             self.packed = pack_weight(linear.weight)
         self.weight = None if self.packed is not None else linear.weight  # the checkpoint's
@@ -169,11 +191,13 @@ class CpuLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., in_features] -> [..., out_features]."""
-        if self.layout != "panels":
+        if self.layout not in ("panels", "tiles"):
             return onednn_linear(x, self.gemm_weight, self.bias)
+        ops = _panel_ops()
+        linear = ops.panel_linear if self.layout == "panels" else ops.tile_linear
         flat = self._rows(x)
         if self.paired:  # the projection itself, out of pair order (what silu_mul avoids)
-            lanes = int(_panel_ops().panel_lanes())
+            lanes = int(ops.panel_lanes() if self.layout == "panels" else ops.tile_width())
             half = self.out_features // 2
             pairs = -(-half // lanes)
             bias = None
@@ -182,20 +206,22 @@ class CpuLinear(nn.Module):
                 padded = torch.zeros(2, pairs * lanes, dtype=halves.dtype)
                 padded[:, :half] = halves
                 bias = padded.view(2, pairs, lanes).transpose(0, 1).contiguous().view(-1)
-            raw = _panel_ops().panel_linear(flat, self.gemm_weight, bias, 2 * pairs * lanes)
+            raw = linear(flat, self.gemm_weight, bias, 2 * pairs * lanes)
             halves_out = raw.view(-1, pairs, 2, lanes).transpose(1, 2).reshape(-1, 2, pairs * lanes)
             out = halves_out[:, :, :half].reshape(-1, self.out_features)
         else:
-            out = _panel_ops().panel_linear(flat, self.gemm_weight, self.bias, self.out_features)
+            out = linear(flat, self.gemm_weight, self.bias, self.out_features)
         return cast("torch.Tensor", out).reshape(*x.shape[:-1], self.out_features)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """A paired gate_up projection and the SiLU-mul after it: x [..., in_features] ->
-        silu(gate) * up [..., out_features // 2], in one pass of the panel GEMM."""
+        silu(gate) * up [..., out_features // 2], in one pass of the GEMM."""
         if not self.paired:
             raise RuntimeError("silu_mul needs a gate_up projection packed in pairs")
         half = self.out_features // 2
-        out = _panel_ops().panel_silu_mul(self._rows(x), self.gemm_weight, self.bias, half)
+        ops = _panel_ops()
+        fused = ops.panel_silu_mul if self.layout == "panels" else ops.tile_silu_mul
+        out = fused(self._rows(x), self.gemm_weight, self.bias, half)
         return cast("torch.Tensor", out).reshape(*x.shape[:-1], half)
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
@@ -208,10 +234,12 @@ class CpuLinear(nn.Module):
 
 def use_cpu_linears(model: nn.Module, mode: str) -> int:
     """Swap every CPU ``nn.Linear`` of ``model`` in a dtype oneDNN runs here for a
-    :class:`CpuLinear` (``mode`` ``panels``, ``packed`` or ``onednn``; ``plain`` changes
-    nothing). In ``panels`` mode the layers in a dtype the panel kernel takes here (see
+    :class:`CpuLinear` (``mode`` ``panels``, ``tiles``, ``packed`` or ``onednn``; ``plain``
+    changes nothing). In ``panels`` mode the layers in a dtype the panel kernel takes here (see
     :func:`panels_chosen`) take it and the others oneDNN's packed layout, as do all of them
-    when the kernels cannot be built here (with a warning).
+    when the kernels cannot be built here (with a warning). ``tiles`` mode puts bfloat16 layers
+    on the AMX tile GEMM where it runs (:func:`tiles_usable`; a layer of odd in_features
+    excepted) and is ``panels`` mode otherwise.
 
     Returns the number of layers swapped (0 where oneDNN's op is missing: a warning is logged
     and the model is left as it was).
@@ -227,13 +255,15 @@ def use_cpu_linears(model: nn.Module, mode: str) -> int:
         if type(child) is nn.Linear and child.weight.device.type == "cpu"
     ]
     dtypes = {child.weight.dtype for _, _, child in targets}
-    panels = {dtype for dtype in dtypes if mode == "panels" and panels_chosen(dtype)}
-    if mode == "panels" and torch.float32 in dtypes - panels:
+    ours = mode in ("panels", "tiles")
+    tiles = {dtype for dtype in dtypes if mode == "tiles" and tiles_usable(dtype)}
+    panels = {dtype for dtype in dtypes - tiles if ours and panels_chosen(dtype)}
+    if ours and torch.float32 in dtypes - panels:
         logger.warning(
             "the CPU kernels are not built here: float32 linear layers run on oneDNN's "
             "packed weights instead of Brigade's panel GEMM (slower at decode batch sizes)"
         )
-    usable = panels | {dtype for dtype in dtypes - panels if onednn_usable(dtype)}
+    usable = panels | tiles | {dtype for dtype in dtypes - panels if onednn_usable(dtype)}
     if dtypes - usable:
         names = ", ".join(sorted(str(dtype).removeprefix("torch.") for dtype in dtypes - usable))
         logger.warning(
@@ -243,13 +273,16 @@ def use_cpu_linears(model: nn.Module, mode: str) -> int:
         )
     swapped = 0
     for parent, name, child in targets:
-        if child.weight.dtype in panels:
-            gate_up = bool(getattr(child, GATE_UP, False))
-            setattr(parent, name, CpuLinear(child, "panels", gate_up=gate_up))
-        elif child.weight.dtype in usable:
-            setattr(parent, name, CpuLinear(child, "dense" if mode == "onednn" else "packed"))
+        dtype, gate_up = child.weight.dtype, bool(getattr(child, GATE_UP, False))
+        if dtype in panels:
+            layer = CpuLinear(child, "panels", gate_up=gate_up)
+        elif dtype in tiles and child.in_features % 2 == 0:
+            layer = CpuLinear(child, "tiles", gate_up=gate_up)
+        elif dtype in usable and onednn_usable(dtype):
+            layer = CpuLinear(child, "dense" if mode == "onednn" else "packed")
         else:
             continue
+        setattr(parent, name, layer)
         swapped += 1
     logger.debug("%d linear layers swapped (cpu_linear %s)", swapped, mode)
     return swapped

@@ -6,7 +6,7 @@ attention kernel, the fused small operations). ``torch.ops.brigade_cpu.decode_la
 every layer with the same kernels in the same order, so its result is identical to the eager
 forward's (tested bit for bit); the eager forward remains the path for prefills, mixed steps,
 other backends, dtypes and devices, and models with qk norm (Qwen3). The linear layers are
-called as the eager forward calls them: the panel GEMM or oneDNN on the weight of a
+called as the eager forward calls them: the panel or tile GEMM or oneDNN on the weight of a
 ``CpuLinear``, F.linear for a plain ``nn.Linear``.
 """
 
@@ -147,10 +147,11 @@ class CpuDecodeLayers:
 
 
 def _gemm_kind(linear: nn.Module) -> int:
-    """How ``decode_layers`` runs this layer: 0 F.linear, 1 oneDNN, 2 the panel GEMM."""
+    """How ``decode_layers`` runs this layer: 0 F.linear, 1 oneDNN, 2 the panel GEMM, 3 the
+    tile GEMM."""
     if not isinstance(linear, CpuLinear):
         return 0
-    return 2 if linear.layout == "panels" else 1
+    return {"panels": 2, "tiles": 3}.get(linear.layout, 1)
 
 
 def _paired(linear: nn.Module) -> bool:

@@ -1,6 +1,7 @@
-"""The GEMMs for a model's linear layers on a CPU (``cpu_gemm.py``, ``cpu_gemm.cpp``): the same
-outputs as ``F.linear`` on Brigade's panels and oneDNN's packed and dense weights, in float32
-and (where the CPU runs it) bfloat16; the swap keeps the checkpoint's parameters or replaces
+"""The GEMMs for a model's linear layers on a CPU (``cpu_gemm.py``, ``cpu_gemm.cpp``,
+``cpu_tiles.cpp``): the same outputs as ``F.linear`` on Brigade's panels, its AMX tile blocks
+(bfloat16, where the CPU has AMX) and oneDNN's packed and dense weights, in float32 and (where
+the CPU runs it) bfloat16; the swap keeps the checkpoint's parameters or replaces
 them by the packed copy; the executor swaps by default on a CPU, the tied LM head included, and
 not when told not to."""
 
@@ -30,6 +31,7 @@ BF16 = pytest.mark.skipif(
 
 
 PANELS = pytest.mark.skipif(not cpu_gemm.panels_usable(), reason="the CPU kernels are not built")
+TILES = pytest.mark.skipif(not cpu_gemm.tiles_usable(), reason="no AMX tiles on this CPU")
 
 
 @pytest.mark.parametrize("layout", [pytest.param("panels", marks=PANELS), "packed", "dense"])
@@ -160,14 +162,18 @@ def test_a_gate_up_projection_packs_in_pairs_and_still_computes_itself(bias: boo
 
 
 @pytest.mark.parametrize(
-    "layout", [pytest.param("panels", marks=PANELS), pytest.param("packed", marks=BF16),
-               pytest.param("dense", marks=BF16)]
+    "layout", [pytest.param("panels", marks=PANELS), pytest.param("tiles", marks=TILES),
+               pytest.param("packed", marks=BF16), pytest.param("dense", marks=BF16)]
 )  # fmt: skip
 @pytest.mark.parametrize("rows", [1, 5, 32, 300])
 @pytest.mark.parametrize("in_features", [64, 33])
 def test_cpu_linear_in_bfloat16_sums_in_float32(layout: str, rows: int, in_features: int) -> None:
     torch.manual_seed(0)
     linear = nn.Linear(in_features, 40, bias=True, dtype=torch.bfloat16)
+    if layout == "tiles" and in_features % 2:  # use_cpu_linears leaves it to oneDNN
+        with pytest.raises(RuntimeError, match="in_features must be even"):
+            CpuLinear(linear, layout)
+        return
     weight, bias = linear.weight.detach().float(), linear.bias.detach().float()
     layer = CpuLinear(linear, layout)
     x = torch.randn(rows, in_features).bfloat16()
@@ -202,6 +208,11 @@ def test_packed_mode_replaces_the_weight_and_onednn_mode_keeps_it() -> None:
         assert use_cpu_linears(model, "panels") == 2
         bf16_panels = cpu_gemm.panels_chosen(torch.bfloat16)
         assert model[1].layout == ("panels" if bf16_panels else "packed")
+        if cpu_gemm.tiles_usable():
+            model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8, dtype=torch.bfloat16))
+            assert use_cpu_linears(model, "tiles") == 2
+            assert [layer.layout for layer in model] == [model[0].layout, "tiles"]
+            assert model[0].layout == ("panels" if cpu_gemm.panels_chosen() else "packed")
 
     model = nn.Sequential(nn.Linear(8, 16))
     assert use_cpu_linears(model, "plain") == 0
@@ -221,13 +232,83 @@ def test_bfloat16_takes_onednn_where_the_cpu_has_amx(
     monkeypatch: pytest.MonkeyPatch, amx: Any, chosen: bool
 ) -> None:
     # Measured on an Intel Xeon with AMX: oneDNN's tile kernels 3.5-12x the panels at 32-512 rows.
+    tiles = cpu_gemm._panel_ops() is not None and bool(cpu_gemm._panel_ops().tiles_usable())
     monkeypatch.setattr(cpu_gemm, "panels_usable", lambda dtype=torch.float32: True)
     monkeypatch.setattr(cpu_gemm, "onednn_usable", lambda dtype=torch.float32: True)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", amx)
     assert cpu_gemm.panels_chosen(torch.float32), "float32 has no AMX kernels in oneDNN"
     assert cpu_gemm.panels_chosen(torch.bfloat16) is chosen
+    assert not cpu_gemm.tiles_usable(torch.float32)
+    assert cpu_gemm.tiles_usable(torch.bfloat16) is (not chosen and tiles)
     monkeypatch.setattr(cpu_gemm, "onednn_usable", lambda dtype=torch.float32: False)
     assert cpu_gemm.panels_chosen(torch.bfloat16), "without oneDNN's bfloat16 the panels stay"
+
+
+@TILES
+@pytest.mark.parametrize("rows", [1, 2, 15, 16, 17, 33, 112, 511, 512, 513, 1100])
+@pytest.mark.parametrize(("out_features", "in_features"), [(1, 8), (33, 576), (64, 2), (100, 34)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_tile_gemm_takes_every_row_count_and_width(
+    rows: int, out_features: int, in_features: int, bias: bool
+) -> None:
+    """Row blocks of the micro-kernel and their tails, a last block partly filled, one column,
+    K of one pair, strided rows: float32 sums of the bfloat16 products rounded once, i.e.
+    F.linear in float32 rounded to bfloat16 (within one unit where sums tie-break apart)."""
+    torch.manual_seed(rows)
+    ops = cpu_gemm._panel_ops()
+    weight = (torch.randn(out_features, in_features) / in_features**0.5).bfloat16()
+    b = torch.randn(out_features).bfloat16() if bias else None
+    wide = torch.randn(rows, in_features + 6).bfloat16()
+    for x in (wide[:, :in_features].contiguous(), wide[:, 3 : 3 + in_features]):
+        got = ops.tile_linear(x, ops.tile_pack(weight), b, out_features)
+        expected = F.linear(x.float(), weight.float(), None if b is None else b.float())
+        torch.testing.assert_close(got, expected.bfloat16(), atol=1e-5, rtol=2**-7)
+
+
+@TILES
+@pytest.mark.parametrize("rows", [1, 7, 40, 600])
+@pytest.mark.parametrize("width", [20, 32, 50, 96])
+@pytest.mark.parametrize("bias", [False, True])
+def test_silu_mul_in_the_tile_gemm_equals_the_gemm_then_silu_mul(
+    rows: int, width: int, bias: bool
+) -> None:
+    """Paired blocks (halves padded to whole blocks: widths 20 and 50): bit for bit the unpaired
+    GEMM's output through silu_mul, the eager path's two kernels; the projection itself too."""
+    torch.manual_seed(width)
+    ops = cpu_gemm._panel_ops()
+    linear = mark_gate_up(nn.Linear(64, 2 * width, bias=bias, dtype=torch.bfloat16))
+    x = torch.randn(rows, 64).bfloat16()
+    projected = ops.tile_linear(x, ops.tile_pack(linear.weight.detach()), linear.bias, 2 * width)
+    layer = CpuLinear(linear, "tiles", gate_up=True)
+    assert layer.paired
+    assert torch.equal(layer.silu_mul(x), ops.silu_mul(projected))
+    assert torch.equal(layer(x), projected)
+
+
+@TILES
+def test_the_tile_gemm_refuses_what_it_cannot_read() -> None:
+    ops = cpu_gemm._panel_ops()
+    weight = torch.randn(40, 24).bfloat16()
+    x = torch.randn(3, 24).bfloat16()
+    with pytest.raises(RuntimeError, match="in_features must be even"):
+        ops.tile_pack(torch.randn(8, 5).bfloat16())
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        ops.tile_pack(torch.randn(8, 4))
+    with pytest.raises(RuntimeError, match="even number of rows"):
+        ops.tile_pack(weight[1:], True)
+    with pytest.raises(RuntimeError, match="x must be bfloat16"):
+        ops.tile_linear(x.float(), ops.tile_pack(weight), None, 40)
+    with pytest.raises(RuntimeError, match="tile_pack for this x"):  # another K
+        ops.tile_linear(torch.randn(3, 26).bfloat16(), ops.tile_pack(weight), None, 40)
+    with pytest.raises(RuntimeError, match="paired=True"):  # unpaired blocks
+        ops.tile_silu_mul(x, ops.tile_pack(weight), None, 20)
+    with pytest.raises(RuntimeError, match="bias"):  # the gate's bias alone
+        ops.tile_silu_mul(x, ops.tile_pack(weight, True), torch.zeros(20).bfloat16(), 20)
+    model = nn.Sequential(
+        nn.Linear(24, 8, dtype=torch.bfloat16), nn.Linear(7, 8, dtype=torch.bfloat16)
+    )
+    assert use_cpu_linears(model, "tiles") == 2
+    assert [layer.layout for layer in model] == ["tiles", "packed"], "odd K stays with oneDNN"
 
 
 def test_a_dtype_onednn_cannot_run_stays_plain_with_a_warning(
@@ -263,7 +344,7 @@ def test_the_executor_packs_every_gemm_by_default_and_matches_the_plain_one(
 ) -> None:
     """Float32, and bfloat16 on every CPU: on the panels (widened from bfloat16 where the CPU
     has no AVX512-BF16) or, where the CPU has AMX, oneDNN's packed layout; oneDNN's own
-    layouts where it runs the dtype."""
+    layouts where it runs the dtype, and in bfloat16 on AMX the tile GEMM."""
     default = make_executor(model_dirs[tied], dtype=dtype)
     plain = make_executor(model_dirs[tied], cpu_linear="plain", dtype=dtype)
     others = []
@@ -275,6 +356,10 @@ def test_the_executor_packs_every_gemm_by_default_and_matches_the_plain_one(
     assert all(layer.packed is not None for layer in layers)
     panels = cpu_gemm.panels_chosen(getattr(torch, dtype))
     assert {layer.layout for layer in layers} == {"panels" if panels else "packed"}
+    if cpu_gemm.tiles_usable(getattr(torch, dtype)):
+        others.append(make_executor(model_dirs[tied], cpu_linear="tiles", dtype=dtype))
+        tiled = [m for m in others[-1].model.modules() if isinstance(m, CpuLinear)]  # type: ignore[attr-defined]
+        assert {layer.layout for layer in tiled} == {"tiles"}
     assert not any(isinstance(m, CpuLinear) for m in plain.model.modules())  # type: ignore[attr-defined]
     embedding = default.model.embed_tokens.weight  # type: ignore[attr-defined]
     assert embedding.is_contiguous(), "lookups read the dense embedding"

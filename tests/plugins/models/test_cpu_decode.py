@@ -72,7 +72,7 @@ def decode_logits(executor: object, steps: int = 4) -> tuple[list[torch.Tensor],
 
 
 @pytest.mark.parametrize("arch", list(MODELS))
-@pytest.mark.parametrize("cpu_linear", ["panels", "packed", "onednn", "plain"])
+@pytest.mark.parametrize("cpu_linear", ["panels", "tiles", "packed", "onednn", "plain"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fused_decode_steps_equal_the_eager_layers(
     model_dirs: dict[str, Path], arch: str, cpu_linear: str, dtype: str

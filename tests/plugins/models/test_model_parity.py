@@ -392,14 +392,16 @@ def test_build_model_input_refuses(chunks: list[SeqChunk], message: str) -> None
 
 
 @pytest.mark.parametrize("name", ["llama", "llama-gqa4-bias", "mistral-window8", "qwen2", "qwen3"])
+@pytest.mark.parametrize("cpu_linear", ["panels", "tiles"])
 def test_bfloat16_on_a_cpu_is_as_close_to_fp32_as_transformers_in_bfloat16(
-    checkpoints: Callable[[str], tuple[Any, Path]], name: str
+    checkpoints: Callable[[str], tuple[Any, Path]], name: str, cpu_linear: str
 ) -> None:
-    """bf16 is compared by tolerance only: Brigade's CPU fast path in bf16 (packed oneDNN
-    GEMMs, fused kernels, the fused decode step) must stray from the fp32 logits no further
-    than transformers' own model does in bf16, over a ragged prefill and decode steps."""
+    """bf16 is compared by tolerance only: Brigade's CPU fast path in bf16 (GEMMs on the panels
+    or packed oneDNN, or with ``tiles`` on AMX the tile GEMM; fused kernels, the fused decode
+    step) must stray from the fp32 logits no further than transformers' own model does in bf16,
+    over a ragged prefill and decode steps."""
     hf_model, directory = checkpoints(name)
-    executor = make_executor(directory, dtype="bfloat16")
+    executor = make_executor(directory, dtype="bfloat16", cpu_linear=cpu_linear)
     hf_bf16 = copy.deepcopy(hf_model).to(torch.bfloat16)
     prompt_lens, num_steps = [5, 11, 17], 5
     sequences = token_sequences([n + num_steps for n in prompt_lens], seed=9)

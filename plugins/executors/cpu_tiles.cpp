@@ -1,0 +1,228 @@
+// Brigade's bfloat16 GEMM on AMX tiles for a model's linear layers: y = x W^T (+ bias), on a
+// weight packed once at load, through oneDNN's batch-reduce GEMM micro-kernel as torch exports
+// it (at::native::cpublas::brgemm: AMX tile loads and TDPBF16PS, float32 sums).
+//
+// Layout: the weight's output columns in blocks of kWidth (two 16-column AMX tiles), each
+// block stored as the micro-kernel reads it (cpublas::pack: k pairs interleaved, "VNNI"),
+// [blocks, K * kWidth], the last block zero-padded. Per call the threads split the blocks,
+// each its contiguous share, and every block is one micro-kernel call over all of K for up to
+// kBlockRows rows of x into a float32 buffer, which the epilogue adds the bias to and rounds
+// into the output. So each weight byte is read once per call (per row block), in the order
+// it lies in memory. Against oneDNN's own matmul (torch.ops.mkldnn._linear_pointwise, on its
+// packed weights), on SmolLM2's layers with 30 layers' weights cold (an Intel Xeon with AMX,
+// 2 threads, docs/benchmarks.md): 1.3-1.6x as fast at 1-16 rows, ~1.1x at 64-112, level at
+// 512, ~0.75x at 2048, where oneDNN's kernels (stores fused in the tile loop) keep ahead.
+//
+// A gate_up projection may be packed in pairs (a block of kWidth gate columns, then the same
+// up columns, one call of 2 * kWidth columns): tile_silu_mul then stores silu(gate) * up as
+// each block finishes, rounded as silu_mul (cpu_fused.cpp) rounds the projection's output, so it equals
+// silu_mul(tile_linear(...)) without writing the projection's output and reading it back.
+//
+// Only where cpublas packs bfloat16 for its micro-kernel (could_pack: a CPU with AMX);
+// tiles_usable says so, and Python keeps the other GEMMs elsewhere.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/native/CPUBlas.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/record_function.h>
+#include <torch/library.h>
+
+#include "../attention/cpu_vec.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+namespace {
+
+using brigade_cpu::kLanes;
+using brigade_cpu::load_vec;
+using brigade_cpu::round_vec;
+using brigade_cpu::store_vec;
+using brigade_cpu::vecf;
+using BFloat16 = c10::BFloat16;
+
+// Output columns per block: two AMX tiles of 16 float32 columns.
+constexpr int64_t kWidth = 32;
+static_assert(kWidth % kLanes == 0, "a block holds whole vectors");
+// Rows per micro-kernel call, and per pass of a thread over its blocks (larger inputs are taken
+// kBlockRows rows at a time, so that those x rows stay in L2 while the blocks pass). On
+// SmolLM2's layers 512 was level with 256 and 1024 and faster than 32-128.
+constexpr int64_t kBlockRows = 512;
+
+// The weight row holding column j of block b (paired: gate columns b * kWidth.., then the
+// same up columns), or -1 (padding).
+int64_t source_row(int64_t b, int64_t j, int64_t out_features, bool paired) {
+  if (!paired) {
+    const int64_t column = b * kWidth + j;
+    return column < out_features ? column : -1;
+  }
+  const int64_t half = out_features / 2, column = b * kWidth + j % kWidth;
+  return column < half ? (j / kWidth) * half + column : -1;
+}
+
+struct Gemm {
+  const BFloat16* x;
+  int64_t x_stride;
+  const BFloat16* blocks;
+  const BFloat16* bias;  // [out] or, silu, [gate; up] (2 * out); nullptr: none
+  BFloat16* out;
+  int64_t rows, in_features, out_features;
+  int64_t width;  // a block's columns: kWidth, or 2 * kWidth for paired blocks
+  bool silu;      // paired blocks stored as silu(gate) * up (kWidth columns a block)
+};
+
+// Rows [row, row + count) of block b's output from its float32 sums (count x g.width): the
+// bias added and rounded to bfloat16, or (silu) silu(gate) * up rounded as silu_mul rounds it.
+void store_block(const Gemm& g, const float* sums, int64_t row, int64_t count, int64_t b) {
+  const int64_t columns = g.silu ? kWidth : g.width, column = b * columns;
+  const int64_t valid = std::min(columns, g.out_features - column);
+  alignas(64) float bias[2 * kWidth] = {};
+  if (g.bias != nullptr) {
+    for (int64_t j = 0; j < valid; ++j) {
+      bias[j] = static_cast<float>(g.bias[column + j]);
+      if (g.silu) bias[kWidth + j] = static_cast<float>(g.bias[g.out_features + column + j]);
+    }
+  }
+  for (int64_t r = 0; r < count; ++r) {
+    const float* s = sums + r * g.width;
+    BFloat16* o = g.out + (row + r) * g.out_features + column;
+    alignas(64) BFloat16 staged[2 * kWidth];
+    BFloat16* target = valid == columns ? o : staged;
+    for (int64_t j = 0; j < columns; j += kLanes) {
+      vecf value = load_vec(s + j) + load_vec(bias + j);
+      if (g.silu) {
+        const vecf gate = round_vec(value, BFloat16{});
+        const vecf up = round_vec(load_vec(s + kWidth + j) + load_vec(bias + kWidth + j),
+                                  BFloat16{});
+        const vecf silu = round_vec(gate / (1.0f + brigade_cpu::exp_vec(-gate)), BFloat16{});
+        value = silu * up;
+      }
+      store_vec(target + j, value);
+    }
+    if (target == staged) std::copy(staged, staged + valid, o);
+  }
+}
+
+// Blocks [first, last) of the output, all rows, on this thread.
+void run_blocks(const Gemm& g, int64_t first, int64_t last) {
+  const int64_t K = g.in_features;
+  thread_local std::vector<float> sums;
+  sums.resize(static_cast<size_t>(std::min(g.rows, kBlockRows) * g.width));
+  for (int64_t row = 0; row < g.rows; row += kBlockRows) {
+    const int64_t count = std::min(kBlockRows, g.rows - row);
+    for (int64_t b = first; b < last; ++b) {
+      at::native::cpublas::brgemm(count, g.width, K, g.x_stride, g.width, g.width, false,
+                                  g.x + row * g.x_stride, g.blocks + b * K * g.width,
+                                  sums.data(), true);
+      store_block(g, sums.data(), row, count, b);
+    }
+  }
+  at::native::cpublas::brgemm_release(true);
+}
+
+int64_t num_blocks(int64_t columns, int64_t width) { return (columns + width - 1) / width; }
+
+// tile_linear (silu = false; blocks paired or not) and tile_silu_mul (true; paired blocks).
+at::Tensor run_gemm(const at::Tensor& x, const at::Tensor& blocks,
+                    const std::optional<at::Tensor>& bias, int64_t out_features, bool silu) {
+  const char* name = silu ? "tile_silu_mul" : "tile_linear";
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, name,
+              ": x must be bfloat16 [rows, in_features] with contiguous rows");
+  const int64_t K = x.size(1);
+  const int64_t width = K > 0 && blocks.dim() == 2 ? blocks.size(1) / K : 0;
+  TORCH_CHECK(blocks.scalar_type() == at::kBFloat16 && blocks.is_contiguous() &&
+                  blocks.dim() == 2 && blocks.size(1) == K * width &&
+                  (width == 2 * kWidth || (width == kWidth && !silu)) &&
+                  blocks.size(0) == num_blocks(out_features, silu ? kWidth : width),
+              name, ": blocks must come from tile_pack for this x and ",
+              silu ? "width (paired=True)" : "out_features");
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() &&
+                    bias->numel() == (silu ? 2 : 1) * out_features,
+                name, ": bias must be a bfloat16 vector of the layer's out_features");
+  }
+  auto out = at::empty({x.size(0), out_features}, x.options());
+  if (x.size(0) == 0) return out;
+  const Gemm g{x.data_ptr<BFloat16>(),
+               x.stride(0),
+               blocks.data_ptr<BFloat16>(),
+               bias.has_value() ? bias->data_ptr<BFloat16>() : nullptr,
+               out.data_ptr<BFloat16>(),
+               x.size(0),
+               K,
+               out_features,
+               width,
+               silu};
+  at::parallel_for(0, blocks.size(0), 1,
+                   [&](int64_t begin, int64_t end) { run_blocks(g, begin, end); });
+  return out;
+}
+
+}  // namespace
+
+// Whether the tile GEMM runs here: cpublas packs bfloat16 for its micro-kernel (AMX).
+bool tiles_usable() { return at::native::cpublas::could_pack(at::kBFloat16); }
+
+// weight [out_features, in_features] bfloat16 (in_features even) -> blocks [ceil(out /
+// kWidth), in_features * kWidth] in the micro-kernel's layout. paired: a gate_up projection,
+// [gate; up] halves of out_features / 2 rows, packed as blocks of kWidth gate columns and the
+// same up columns ([ceil(half / kWidth), in_features * 2 * kWidth]), for tile_silu_mul.
+at::Tensor tile_pack(at::Tensor weight, bool paired) {
+  TORCH_CHECK(tiles_usable(), "tile_pack: this CPU has no AMX tiles for bfloat16");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16,
+              "tile_pack: weight must be a bfloat16 [out_features, in_features] tensor");
+  TORCH_CHECK(weight.size(1) % 2 == 0, "tile_pack: in_features must be even (k pairs)");
+  TORCH_CHECK(!paired || weight.size(0) % 2 == 0,
+              "tile_pack: a paired (gate_up) weight needs an even number of rows");
+  const at::Tensor w = weight.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), width = paired ? 2 * kWidth : kWidth;
+  const int64_t count = num_blocks(paired ? N / 2 : N, kWidth);
+  auto blocks = at::empty({count, K * width}, w.options());
+  const BFloat16* source = w.data_ptr<BFloat16>();
+  at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
+    std::vector<BFloat16> dense(static_cast<size_t>(K * width));  // the block, [K, width]
+    for (int64_t b = begin; b < end; ++b) {
+      for (int64_t j = 0; j < width; ++j) {
+        const int64_t n = source_row(b, j, N, paired);
+        for (int64_t k = 0; k < K; ++k) dense[k * width + j] = n < 0 ? BFloat16(0) : source[n * K + k];
+      }
+      at::native::cpublas::pack(K, width, width, width, at::kBFloat16, at::kBFloat16,
+                                dense.data(), blocks.data_ptr<BFloat16>() + b * K * width);
+    }
+  });
+  return blocks;
+}
+
+// x [rows, in_features] bfloat16 (rows may be strided) -> [rows, out_features]. On paired
+// blocks: the projection in pair order (each block's gate columns, then its up columns), with
+// out_features = 2 * kWidth * blocks.
+at::Tensor tile_linear(at::Tensor x, at::Tensor blocks, std::optional<at::Tensor> bias,
+                       int64_t out_features) {
+  // decode_layers calls this directly, not through the dispatcher: name it for profilers.
+  RECORD_FUNCTION("brigade_cpu::tile_linear", std::vector<c10::IValue>());
+  return run_gemm(x, blocks, bias, out_features, false);
+}
+
+// A gate_up projection on paired blocks and the SiLU-mul after it, in one pass: x [rows,
+// in_features] -> silu(gate) * up [rows, width], equal to silu_mul(tile_linear(...)) on the
+// unpaired weight. bias: the layer's [gate, up] (2 * width), if any.
+at::Tensor tile_silu_mul(at::Tensor x, at::Tensor blocks, std::optional<at::Tensor> bias,
+                         int64_t width) {
+  RECORD_FUNCTION("brigade_cpu::tile_silu_mul", std::vector<c10::IValue>());
+  return run_gemm(x, blocks, bias, width, true);
+}
+
+// The output columns of one block (tile_pack's layout, for Python to unpack a paired output).
+int64_t tile_width() { return kWidth; }
+
+TORCH_LIBRARY_FRAGMENT(brigade_cpu, m) {
+  m.def("tile_pack(Tensor weight, bool paired=False) -> Tensor", &tile_pack);
+  m.def("tile_linear", &tile_linear);
+  m.def("tile_silu_mul", &tile_silu_mul);
+  m.def("tile_width", &tile_width);
+  m.def("tiles_usable", &tiles_usable);
+}
