@@ -266,8 +266,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
 // windows[l] the sliding window (0: none); gemm how the linear layers run (enum Gemm) and
 // intermediate the MLP's width (the panel GEMM needs each layer's width); paired_gate_up: the
 // gate_up weights are paired panels or tile blocks (pack_panels or tile_pack, paired=True),
-// their SiLU-mul done in the GEMM (panel_silu_mul or tile_silu_mul, the same results). Returns the residual stream after the last layer
-// (before the final norm).
+// their SiLU-mul done in the GEMM (panel_silu_mul or tile_silu_mul, the same results).
+// Returns the residual stream after the last layer (before the final norm).
 at::Tensor decode_layers(at::Tensor hidden, at::Tensor cos, at::Tensor sin,
                          std::vector<at::Tensor> key_caches, std::vector<at::Tensor> value_caches,
                          at::Tensor slot_mapping, at::Tensor block_tables, at::Tensor seq_lens,

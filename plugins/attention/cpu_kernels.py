@@ -1,11 +1,11 @@
 """Brigade's C++ kernels for CPUs, built on first use and cached: decode attention over the
 paged KV cache (``cpu_paged.cpp``, its per-row kernels in ``cpu_rows.h``; rows sharing a prefix
-read it once, ``cpu_cascade.cpp``),
-prefill attention (``cpu_prefill.cpp``) and a decoder layer's small fused operations
+read it once, ``cpu_cascade.cpp``), prefill attention (``cpu_prefill.cpp``; in bfloat16 on AMX
+tiles ``cpu_prefill_tiles.cpp``) and a decoder layer's small fused operations
 (``cpu_fused.cpp``: RMSNorm with and without the residual add, SiLU-mul, RoPE), the executor's
 panel GEMM (``executors/cpu_gemm.cpp``), its bfloat16 GEMM on AMX tiles
-(``executors/cpu_tiles.cpp``) and the standard sampler's draw
-(``samplers/cpu_sample.cpp``), all in ``torch.ops.brigade_cpu``.
+(``executors/cpu_tiles.cpp``) and the standard sampler's draw (``samplers/cpu_sample.cpp``),
+all in ``torch.ops.brigade_cpu``.
 
 The build (a few seconds to a minute, once per machine and torch version) goes to
 ``$BRIGADE_CACHE_DIR/extensions/<key>``, where the key covers the source, torch's version and
@@ -46,7 +46,13 @@ logger = logging.getLogger(__name__)
 _SOURCES = (
     *(
         Path(__file__).with_name(name)
-        for name in ("cpu_paged.cpp", "cpu_cascade.cpp", "cpu_prefill.cpp", "cpu_fused.cpp")
+        for name in (
+            "cpu_paged.cpp",
+            "cpu_cascade.cpp",
+            "cpu_prefill.cpp",
+            "cpu_prefill_tiles.cpp",
+            "cpu_fused.cpp",
+        )
     ),
     Path(__file__).parent.parent / "executors" / "cpu_gemm.cpp",  # the panel GEMM
     Path(__file__).parent.parent / "executors" / "cpu_tiles.cpp",  # the AMX tile GEMM

@@ -8,9 +8,9 @@ On a CPU, decode rows instead go through Brigade's C++ kernel (``native_decode``
 default): it reads each row's pages in place up to that row's own length, where the gather
 copies every row's pages up to the longest row's. Prefill chunks likewise go through its
 prefill kernel (``native_prefill``): every chunk of the step in one call, causal over the pages
-in place, no gathered keys and no mask tensors; except bfloat16 on a CPU with AMX, whose
-prefills take SDPA's flash attention (its block GEMMs run on AMX tiles, faster than the
-kernel's vectors). Their build is cached; where it cannot be built (or the head size does not
+in place, no gathered keys and no mask tensors; in bfloat16 on a CPU with AMX its tile
+version (``cpu_prefill_tiles.cpp``: both products of flash attention on AMX tiles). Their
+build is cached; where it cannot be built (or the head size does not
 fit its vectors), attention takes the SDPA paths above.
 """
 
@@ -166,8 +166,8 @@ class SdpaOptions:
         True,
         help="on a CPU, prefill chunks attend causally over the paged KV in place with "
         "Brigade's C++ kernel instead of SDPA on gathered keys and masks (float32 or "
-        "bfloat16, head sizes a multiple of the CPU's vector width; not bfloat16 on a CPU with "
-        "AMX, where torch's flash attention multiplies on AMX tiles and is faster)",
+        "bfloat16, head sizes a multiple of the CPU's vector width; bfloat16 on a CPU with AMX "
+        "takes a version whose products run on AMX tiles)",
     )
 
 
@@ -189,7 +189,9 @@ class SdpaBackend(AttentionBackend):
         self._prefill: Any = None
         """(the C++ prefill kernel, the CPU's vector lanes) once resolved (False: unavailable)."""
         self._amx = False
-        """Whether the CPU has AMX tiles (learned with the prefill kernel)."""
+        """Whether the CPU has AMX tiles for the tile prefill kernel (learned with the kernel)."""
+        self._prefill_tiles: Any = None
+        """The tile prefill kernel where ``_amx``, else None."""
 
     def _decode_kernel(self, device: torch.device) -> Any:
         if device.type != "cpu" or not self._native:
@@ -213,18 +215,18 @@ class SdpaBackend(AttentionBackend):
         if self._prefill is None:
             ops = cpu_ops()
             self._prefill = (ops.paged_prefill, int(ops.vector_lanes())) if ops else False
-            self._amx = has_amx()
+            self._amx = has_amx() and ops is not None and bool(ops.tiles_usable())
+            self._prefill_tiles = ops.paged_prefill_tiles if self._amx else None
         if not self._prefill:
             return None
         kernel, lanes = self._prefill
         if not kernels_take_head_dim(layer.head_dim, lanes):
             return None
-        # bfloat16 on a CPU with AMX: torch's flash attention multiplies on AMX tiles, gathered
-        # keys and masks included; on an AMX Xeon a 512-token SmolLM2 prompt took 30.8 ms of
-        # attention there against the kernel's 55.2, and the mixed workload's steps with
-        # prefill chunks 402-415 ms against 437-446 (docs/benchmarks.md).
+        # bfloat16 on a CPU with AMX: the products on AMX tiles. On an AMX Xeon a 512-token
+        # SmolLM2 prompt's attention took ~20 ms there, 32 in torch's flash attention (also on
+        # AMX) and 55 on the vector kernel (docs/benchmarks.md).
         if self._amx and query.dtype == key_cache.dtype == torch.bfloat16:
-            return None
+            return self._prefill_tiles
         return kernel
 
     def build_metadata(self, batch: ModelInput) -> SdpaMetadata:

@@ -15,8 +15,9 @@
 //
 // A gate_up projection may be packed in pairs (a block of kWidth gate columns, then the same
 // up columns, one call of 2 * kWidth columns): tile_silu_mul then stores silu(gate) * up as
-// each block finishes, rounded as silu_mul (cpu_fused.cpp) rounds the projection's output, so it equals
-// silu_mul(tile_linear(...)) without writing the projection's output and reading it back.
+// each block finishes, rounded as silu_mul (cpu_fused.cpp) rounds the projection's output, so
+// it equals silu_mul(tile_linear(...)) without writing the projection's output and reading it
+// back.
 //
 // Only where cpublas packs bfloat16 for its micro-kernel (could_pack: a CPU with AMX);
 // tiles_usable says so, and Python keeps the other GEMMs elsewhere.
@@ -188,7 +189,9 @@ at::Tensor tile_pack(at::Tensor weight, bool paired) {
     for (int64_t b = begin; b < end; ++b) {
       for (int64_t j = 0; j < width; ++j) {
         const int64_t n = source_row(b, j, N, paired);
-        for (int64_t k = 0; k < K; ++k) dense[k * width + j] = n < 0 ? BFloat16(0) : source[n * K + k];
+        for (int64_t k = 0; k < K; ++k) {
+          dense[k * width + j] = n < 0 ? BFloat16(0) : source[n * K + k];
+        }
       }
       at::native::cpublas::pack(K, width, width, width, at::kBFloat16, at::kBFloat16,
                                 dense.data(), blocks.data_ptr<BFloat16>() + b * K * width);

@@ -1,10 +1,12 @@
-"""Brigade's C++ decode attention for CPUs against a plain softmax over each row's own keys."""
+"""Brigade's C++ decode and prefill attention for CPUs (prefill also on AMX tiles) against a plain
+softmax over each row's own keys."""
 
 from __future__ import annotations
 
 import logging
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from brigade.plugins.attention.cpu_kernels import (
     kernels_take_head_dim,
     paged_decode_kernel,
 )
+from brigade.plugins.executors.cpu_gemm import tiles_usable
 
 
 def _paged_case(
@@ -249,6 +252,32 @@ def _prefill_reference(
     return torch.cat(outputs)
 
 
+def _prefill_case(
+    heads: int, kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype
+) -> tuple[Any, ...]:
+    """Chunks of six rows over scattered pages: (query, key_cache, value_cache, block_tables,
+    chunks, the end of the last chunk, the first chunk's first token)."""
+    # (row length after the step, its new tokens): a whole prompt, chunks after cached
+    # prefixes (short, across pages, longer than a key block), one token, a long prompt.
+    rows = [(5, 5), (40, 7), (300, 33), (130, 130), (34, 1), (600, 600)]
+    generator = torch.Generator().manual_seed(heads + head_dim)
+    max_pages = max(-(-n // page_size) for n, _ in rows) + 1
+    num_pages = len(rows) * max_pages + 2
+    key_cache = torch.randn(num_pages, page_size, kv_heads, head_dim, generator=generator)
+    value_cache = torch.randn(num_pages, page_size, kv_heads, head_dim, generator=generator)
+    key_cache, value_cache = key_cache.to(dtype), value_cache.to(dtype)
+    order = torch.randperm(num_pages, generator=generator)
+    block_tables = order[: len(rows) * max_pages].view(len(rows), max_pages).clone()
+    offset = 3  # three decode tokens before the chunks, which the kernel must not read
+    spans, token = [], offset
+    for row, (length, new) in enumerate(rows):
+        spans.append([row, token, token + new, length])
+        token += new
+    chunks = torch.tensor(spans)
+    query = torch.randn(token, heads, head_dim, generator=generator).to(dtype)
+    return query, key_cache, value_cache, block_tables, chunks, token, offset
+
+
 @pytest.fixture(scope="module")
 def ops() -> object:
     built = cpu_kernels.cpu_ops()
@@ -278,24 +307,9 @@ def test_paged_prefill_equals_causal_softmax_over_each_rows_keys(
 ) -> None:
     if not kernels_take_head_dim(head_dim, ops.vector_lanes()):  # type: ignore[attr-defined]
         pytest.skip(f"head_dim {head_dim} does not fill this CPU's vectors")
-    # (row length after the step, its new tokens): a whole prompt, chunks after cached
-    # prefixes (short, across pages, longer than a key block), one token, a long prompt.
-    rows = [(5, 5), (40, 7), (300, 33), (130, 130), (34, 1), (600, 600)]
-    generator = torch.Generator().manual_seed(heads + head_dim)
-    max_pages = max(-(-n // page_size) for n, _ in rows) + 1
-    num_pages = len(rows) * max_pages + 2
-    key_cache = torch.randn(num_pages, page_size, kv_heads, head_dim, generator=generator)
-    value_cache = torch.randn(num_pages, page_size, kv_heads, head_dim, generator=generator)
-    key_cache, value_cache = key_cache.to(dtype), value_cache.to(dtype)
-    order = torch.randperm(num_pages, generator=generator)
-    block_tables = order[: len(rows) * max_pages].view(len(rows), max_pages).clone()
-    offset = 3  # three decode tokens before the chunks, which the kernel must not read
-    spans, token = [], offset
-    for row, (length, new) in enumerate(rows):
-        spans.append([row, token, token + new, length])
-        token += new
-    chunks = torch.tensor(spans)
-    query = torch.randn(token, heads, head_dim, generator=generator).to(dtype)
+    query, key_cache, value_cache, block_tables, chunks, token, offset = _prefill_case(
+        heads, kv_heads, head_dim, page_size, dtype
+    )
     scale = head_dim**-0.5
     out = ops.paged_prefill(query, key_cache, value_cache, block_tables, chunks, window, scale)  # type: ignore[attr-defined]
     assert out.shape == (token - offset, heads, head_dim)
@@ -307,6 +321,48 @@ def test_paged_prefill_equals_causal_softmax_over_each_rows_keys(
         torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
     else:  # float32 arithmetic, one rounding of the result
         torch.testing.assert_close(out.float(), expected, atol=1e-5, rtol=2**-8)
+
+
+@pytest.mark.skipif(not tiles_usable(), reason="no AMX tiles on this CPU")
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "page_size", "window"),
+    [
+        (9, 3, 64, 16, 0),  # SmolLM2's shape
+        (9, 3, 64, 16, 20),  # a sliding window shorter than most chunks
+        (8, 2, 128, 4, 0),  # a wider head, small pages
+        (4, 4, 32, 1, 7),  # no grouping, one token per page
+        (8, 1, 16, 16, 0),  # all heads on one KV head
+    ],
+)
+def test_paged_prefill_on_amx_tiles_equals_causal_softmax_over_each_rows_keys(
+    ops: object, heads: int, kv_heads: int, head_dim: int, page_size: int, window: int
+) -> None:
+    """bfloat16 products summed in float32, the softmax weights rounded to bfloat16 before
+    the second product (as torch's flash attention rounds them): within bfloat16's precision
+    of the float32 reference."""
+    query, key_cache, value_cache, block_tables, chunks, token, offset = _prefill_case(
+        heads, kv_heads, head_dim, page_size, torch.bfloat16
+    )
+    scale = head_dim**-0.5
+    out = ops.paged_prefill_tiles(  # type: ignore[attr-defined]
+        query, key_cache, value_cache, block_tables, chunks, window, scale
+    )
+    assert out.shape == (token - offset, heads, head_dim)
+    assert out.dtype == torch.bfloat16
+    expected = _prefill_reference(
+        query, key_cache, value_cache, block_tables, chunks, window, scale
+    )
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2**-6)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        ops.paged_prefill_tiles(  # type: ignore[attr-defined]
+            query.float(), key_cache, value_cache, block_tables, chunks, window, scale
+        )
+    too_long = chunks[:1].clone()
+    too_long[0, 3] = block_tables.shape[1] * page_size + 1
+    with pytest.raises(RuntimeError, match="inside its row's block table"):
+        ops.paged_prefill_tiles(  # type: ignore[attr-defined]
+            query, key_cache, value_cache, block_tables, too_long, window, scale
+        )
 
 
 def test_paged_prefill_refuses_chunks_that_do_not_fit(ops: object) -> None:

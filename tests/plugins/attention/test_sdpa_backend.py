@@ -130,33 +130,49 @@ def test_prefill_chunks_take_the_cpu_kernel_not_sdpa(monkeypatch: pytest.MonkeyP
 
 
 @pytest.mark.parametrize("amx", [True, False])
-def test_bfloat16_prefill_takes_flash_attention_where_the_cpu_has_amx(
+def test_bfloat16_prefill_takes_the_amx_kernel_where_the_cpu_has_amx(
     monkeypatch: pytest.MonkeyPatch, amx: bool
 ) -> None:
-    # On an AMX Xeon torch's flash attention took a 512-token bf16 prompt in 30.8 ms, the
-    # kernel in 55.2; float32 has no AMX kernels and stays on the kernel.
+    # On an AMX Xeon the tile kernel took a 512-token bf16 prompt's attention in less time than
+    # torch's flash attention and the vector kernel (docs/benchmarks.md); float32 has no AMX
+    # kernels and stays on the vector kernel, as do CPUs without AMX.
     from brigade.plugins.attention import cpu_kernels
 
-    monkeypatch.setattr(cpu_kernels, "has_amx", lambda: amx)
+    built = cpu_kernels.cpu_ops()
+    assert built is not None
+    tiles = amx and bool(built.tiles_usable())
     calls: list[str] = []
-    sdpa = torch.nn.functional.scaled_dot_product_attention
 
-    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
-        calls.append("sdpa")
-        return sdpa(*args, **kwargs)
+    class Counting:
+        def __getattr__(self, name: str) -> Any:
+            op = getattr(built, name)
+            if not name.startswith("paged_prefill"):
+                return op
 
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counted)
+            def counted(*args: Any) -> Any:
+                calls.append(name)
+                return op(*args)
+
+            return counted
+
+    monkeypatch.setattr(cpu_kernels, "has_amx", lambda: amx)
+    monkeypatch.setattr(cpu_kernels, "cpu_ops", lambda: Counting())
+
+    def no_sdpa(*args: object, **kwargs: object) -> None:
+        raise AssertionError("SDPA ran although a kernel takes every prefill chunk")
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", no_sdpa)
     shape: dict[str, Any] = {"num_heads": 8, "num_kv_heads": 2, "head_dim": 64, "page_size": 4}
     # a decode, a whole prompt, a chunk after cached keys
     case = _case([(1, 6), (7, 0), (5, 9)], dtype=torch.bfloat16, **shape)
     output, _ = run_backend(_backend(native=True), case)
     torch.testing.assert_close(output.double(), naive_attention(case), atol=3e-2, rtol=0)
-    assert len(calls) == (2 if amx else 0), "one SDPA call per prefill chunk, only with AMX"
+    assert calls == ["paged_prefill_tiles" if tiles else "paged_prefill"]
     calls.clear()
     case = _case([(1, 6), (7, 0), (5, 9)], **shape)
     output, _ = run_backend(_backend(native=True), case)
     torch.testing.assert_close(output.double(), naive_attention(case), atol=ATOL, rtol=0)
-    assert calls == [], "float32 stays on the kernel"
+    assert calls == ["paged_prefill"], "float32 stays on the vector kernel"
 
 
 def test_metadata_is_built_once_per_window_and_reused() -> None:
