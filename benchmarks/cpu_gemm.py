@@ -1,4 +1,5 @@
-"""Brigade's panel GEMM against oneDNN's packed one, at a model's linear shapes, by batch rows.
+"""Brigade's panel GEMM (and AMX tile GEMM) against oneDNN's packed one, at a model's linear
+shapes, by batch rows.
 
     python benchmarks/cpu_gemm.py                  # SmolLM2's layer shapes at 1-512 rows
     python benchmarks/cpu_gemm.py --rows 1 32 --lm-head
@@ -10,7 +11,8 @@ Each shape is timed on as many distinct weights as make ~64 MB, so that a call r
 weight from memory as a model's layer does rather than from the caches; the two kernels take
 turns (two rounds, the best of each kept), 2 threads, float32 unless ``--dtype``. Prints ms per
 call, the rate the weight was read at (what bounds a layer at one row) and GFLOP/s, the ratio,
-and the largest difference from F.linear in float32 on the same inputs. ``--gate-up`` times
+and the largest difference from F.linear in float32 on the same inputs. In bfloat16 on a CPU
+with AMX the tile GEMM (``cpu_linear = "tiles"``) takes its turn too. ``--gate-up`` times
 SmolLM2's gate_up projection and its SiLU-mul instead: the panel GEMM then ``silu_mul``, against
 ``panel_silu_mul`` on paired panels (the product in the GEMM's epilogue), and checks that both
 give the same bits.
@@ -78,6 +80,9 @@ def compare(
         ),
         "panels": lambda i: ops.panel_linear(x, panels[i], None, out_features),  # type: ignore[attr-defined]
     }
+    if cpu_gemm.tiles_usable(dtype) and in_features % 2 == 0:
+        tiles = [ops.tile_pack(w) for w in weights]  # type: ignore[attr-defined]
+        calls["tiles"] = lambda i: ops.tile_linear(x, tiles[i], None, out_features)  # type: ignore[attr-defined]
     best = take_turns(calls, count, repeats, rounds=2)
     parts = [f"rows {rows:4d}  {out_features:5d}x{in_features:<5d}"]
     for name, seconds in best.items():
@@ -85,7 +90,10 @@ def compare(
         gflops = flops / seconds / 1e9
         parts.append(f"{name} {seconds * 1e3:7.3f} ms ({gb_per_s:5.1f} GB/s, {gflops:4.0f} GF)")
     ratio = best["oneDNN packed"] / best["panels"]
-    parts.append(f"panels {ratio:4.2f}x as fast  max |diff| {error:.1e}")
+    parts.append(f"panels {ratio:4.2f}x as fast")
+    if "tiles" in best:
+        parts.append(f"tiles {best['oneDNN packed'] / best['tiles']:4.2f}x as fast")
+    parts.append(f"max |diff| {error:.1e}")
     print("  ".join(parts), flush=True)
 
 
