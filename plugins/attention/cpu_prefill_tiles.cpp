@@ -16,9 +16,10 @@
 //
 // torch's flash attention, which bfloat16 prefills on AMX took before, runs the same two
 // products on the same micro-kernel, but its softmax and packing cost more: a 512-token
-// SmolLM2 prompt's attention took ~32 ms there and ~20 here in the engine (hot, one layer:
-// 0.83 against 0.51 ms; the vector kernel, cpu_prefill.cpp, 1.70), on an Intel Xeon with AMX,
-// 2 threads (docs/benchmarks.md). What bounded it on the way: the softmax's exp and rounding
+// SmolLM2 prompt's attention took ~32 ms there and ~20 here in the engine (one layer,
+// benchmarks/cpu_prefill.py: 1.03 ms with the keys gathered as the backend did, 0.54 here, the
+// vector kernel cpu_prefill.cpp 1.70), on an Intel Xeon with AMX, 2 threads
+// (docs/benchmarks.md). What bounded it on the way: the softmax's exp and rounding
 // (hence exp2_vec and the one-instruction rounding) and per-row overhead per key block (hence
 // blocks of 128 keys).
 //
