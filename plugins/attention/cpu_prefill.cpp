@@ -80,10 +80,7 @@ struct Geometry {
   float scale;
 };
 
-struct Task {
-  int64_t row, token, count, position, kv_head;
-  // query tokens [token, token + count) at positions [position, position + count)
-};
+using Task = brigade_cpu::PrefillTask;
 
 // Per-thread buffers: vectors of rows (kRowVectors of them per head_dim element or key).
 struct Scratch {
@@ -290,10 +287,6 @@ at::Tensor paged_prefill(at::Tensor query, at::Tensor key_cache, at::Tensor valu
                    key_cache.scalar_type() == at::kBFloat16),
               "key_cache and value_cache must be contiguous float32 or bfloat16 [pages, "
               "page_size, kv_heads, head_dim] tensors of one dtype");
-  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() &&
-                  block_tables.dim() == 2 && chunks.scalar_type() == at::kLong &&
-                  chunks.is_contiguous() && chunks.dim() == 2 && chunks.size(1) == 4,
-              "block_tables must be int64 [rows, max_pages], chunks int64 [n, 4]");
   const int64_t num_heads = query.size(1), head_dim = query.size(2);
   const int64_t page_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   TORCH_CHECK(key_cache.size(3) == head_dim && num_heads % num_kv_heads == 0,
@@ -303,34 +296,10 @@ at::Tensor paged_prefill(at::Tensor query, at::Tensor key_cache, at::Tensor valu
   const Geometry geo{num_heads,    num_heads / num_kv_heads,     head_dim, page_size,
                      page_size * num_kv_heads * head_dim, num_kv_heads * head_dim, window,
                      static_cast<float>(scale)};
-  const int64_t* spec = chunks.data_ptr<int64_t>();
-  const int64_t num_chunks = chunks.size(0);
-  const int64_t capacity = block_tables.size(1) * page_size;
-  std::vector<Task> tasks;
-  int64_t out_first = num_chunks ? spec[1] : 0, out_end = out_first;
-  for (int64_t c = 0; c < num_chunks; ++c) {
-    const int64_t row = spec[4 * c], first = spec[4 * c + 1], end = spec[4 * c + 2];
-    const int64_t seq_len = spec[4 * c + 3];
-    TORCH_CHECK(row >= 0 && row < block_tables.size(0) && first == out_end && end > first &&
-                    end <= query.size(0) && seq_len >= end - first && seq_len <= capacity,
-                "chunk ", c, " is not a contiguous run of tokens inside its row's block table");
-    out_end = end;
-    const int64_t start_position = seq_len - (end - first);
-    for (int64_t token = first; token < end; token += kQueryBlock) {
-      const int64_t count = std::min(kQueryBlock, end - token);
-      for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
-        tasks.push_back({row, token, count, start_position + (token - first), kv_head});
-      }
-    }
-  }
-  // Costliest first: a task's work grows with the keys its last token sees.
-  std::stable_sort(tasks.begin(), tasks.end(), [&](const Task& a, const Task& b) {
-    const auto keys = [&](const Task& t) {
-      const int64_t last = t.position + t.count;
-      return window > 0 ? std::min(window + t.count, last) : last;
-    };
-    return keys(a) * a.count > keys(b) * b.count;
-  });
+  int64_t out_first = 0, out_end = 0;
+  const std::vector<Task> tasks =
+      brigade_cpu::prefill_tasks(chunks, block_tables, query.size(0), page_size, num_kv_heads,
+                                 kQueryBlock, window, out_first, out_end);
   auto out = at::empty({out_end - out_first, num_heads, head_dim}, query.options());
   const auto run = [&](auto query_type, auto cache_type) {
     using Query = decltype(query_type);

@@ -35,7 +35,6 @@
 #include <ATen/record_function.h>
 #include <torch/library.h>
 
-#include "cpu_scalar.h"
 #include "cpu_tasks.h"
 #include "cpu_vec.h"
 
@@ -108,16 +107,14 @@ void pack_keys(const Geometry& geo, const BFloat16* key_cache, const BFloat16* v
   }
 }
 
-struct Task {
-  int64_t chunk, token, count, position, kv_head;
-};
+using Task = brigade_cpu::PrefillTask;
 
 // A thread's buffers for one task at a time; releases the AMX tile state when the thread is
 // done.
 struct Scratch {
   std::vector<BFloat16> queries, weights;
   std::vector<float> scores, sums, maxima, totals;
-  Scratch(const Geometry& geo)
+  explicit Scratch(const Geometry& geo)
       : queries(kQueryBlock * geo.group * geo.head_dim),
         weights(kQueryBlock * geo.group * kKeyBlock),
         scores(kQueryBlock * geo.group * kKeyBlock),
@@ -286,10 +283,6 @@ at::Tensor paged_prefill_tiles(at::Tensor query, at::Tensor key_cache, at::Tenso
                   value_cache.scalar_type() == at::kBFloat16,
               "key_cache and value_cache must be contiguous bfloat16 [pages, page_size, "
               "kv_heads, head_dim] tensors");
-  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() &&
-                  block_tables.dim() == 2 && chunks.scalar_type() == at::kLong &&
-                  chunks.is_contiguous() && chunks.dim() == 2 && chunks.size(1) == 4,
-              "block_tables must be int64 [rows, max_pages], chunks int64 [n, 4]");
   const int64_t num_heads = query.size(1), head_dim = query.size(2);
   const int64_t page_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   TORCH_CHECK(key_cache.size(3) == head_dim && num_heads % num_kv_heads == 0,
@@ -298,37 +291,17 @@ at::Tensor paged_prefill_tiles(at::Tensor query, at::Tensor key_cache, at::Tenso
               " is not a multiple of ", kLanes);
   const Geometry geo{num_heads, num_heads / num_kv_heads, head_dim, page_size,
                      num_kv_heads, window, static_cast<float>(scale)};
+  int64_t out_first = 0, out_end = 0;
+  const std::vector<Task> tasks =
+      brigade_cpu::prefill_tasks(chunks, block_tables, query.size(0), page_size, num_kv_heads,
+                                 kQueryBlock, window, out_first, out_end);
   const int64_t* spec = chunks.data_ptr<int64_t>();
   const int64_t num_chunks = chunks.size(0);
-  const int64_t capacity = block_tables.size(1) * page_size;
-  std::vector<Task> tasks;
   std::vector<int64_t> packed_at(num_chunks + 1, 0);  // each chunk's first packed value
-  int64_t out_first = num_chunks ? spec[1] : 0, out_end = out_first;
   for (int64_t c = 0; c < num_chunks; ++c) {
-    const int64_t row = spec[4 * c], first = spec[4 * c + 1], end = spec[4 * c + 2];
-    const int64_t seq_len = spec[4 * c + 3];
-    TORCH_CHECK(row >= 0 && row < block_tables.size(0) && first == out_end && end > first &&
-                    end <= query.size(0) && seq_len >= end - first && seq_len <= capacity,
-                "chunk ", c, " is not a contiguous run of tokens inside its row's block table");
-    out_end = end;
-    const int64_t blocks = (seq_len + kKeyBlock - 1) / kKeyBlock;
+    const int64_t blocks = (spec[4 * c + 3] + kKeyBlock - 1) / kKeyBlock;  // of its seq_len
     packed_at[c + 1] = packed_at[c] + num_kv_heads * blocks * kKeyBlock * head_dim;
-    const int64_t start_position = seq_len - (end - first);
-    for (int64_t token = first; token < end; token += kQueryBlock) {
-      const int64_t count = std::min(kQueryBlock, end - token);
-      for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
-        tasks.push_back({c, token, count, start_position + (token - first), kv_head});
-      }
-    }
   }
-  // Costliest first: a task's work grows with the keys its last token sees.
-  std::stable_sort(tasks.begin(), tasks.end(), [&](const Task& a, const Task& b) {
-    const auto keys = [&](const Task& t) {
-      const int64_t last = t.position + t.count;
-      return window > 0 ? std::min(window + t.count, last) : last;
-    };
-    return keys(a) * a.count > keys(b) * b.count;
-  });
   auto out = at::empty({out_end - out_first, num_heads, head_dim}, query.options());
   if (num_chunks == 0) return out;
   const at::Tensor keys = at::empty({packed_at[num_chunks]}, query.options());
@@ -336,18 +309,16 @@ at::Tensor paged_prefill_tiles(at::Tensor query, at::Tensor key_cache, at::Tenso
   const auto* key_data = key_cache.data_ptr<BFloat16>();
   const auto* value_data = value_cache.data_ptr<BFloat16>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const auto packed = [&](int64_t c, int64_t kv_head) {
-    const int64_t share = (packed_at[c + 1] - packed_at[c]) / num_kv_heads;
-    const int64_t at = packed_at[c] + kv_head * share;
-    return Packed{keys.data_ptr<BFloat16>() + at, values.data_ptr<BFloat16>() + at};
+  const auto offset = [&](int64_t c, int64_t kv_head) {  // of a chunk's KV head's blocks
+    return packed_at[c] + kv_head * (packed_at[c + 1] - packed_at[c]) / num_kv_heads;
   };
+  BFloat16* key_blocks = keys.data_ptr<BFloat16>();
+  BFloat16* value_blocks = values.data_ptr<BFloat16>();
   at::parallel_for(0, num_chunks * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t c = i / num_kv_heads, kv_head = i % num_kv_heads;
-      const Packed p = packed(c, kv_head);
+      const int64_t c = i / num_kv_heads, kv_head = i % num_kv_heads, at = offset(c, kv_head);
       pack_keys(geo, key_data, value_data, tables + spec[4 * c] * block_tables.size(1),
-                spec[4 * c + 3], kv_head, const_cast<BFloat16*>(p.keys),
-                const_cast<BFloat16*>(p.values));
+                spec[4 * c + 3], kv_head, key_blocks + at, value_blocks + at);
     }
   });
   const BFloat16* q = query.data_ptr<BFloat16>();
@@ -356,7 +327,8 @@ at::Tensor paged_prefill_tiles(at::Tensor query, at::Tensor key_cache, at::Tenso
       static_cast<int64_t>(tasks.size()), [&] { return Scratch(geo); },
       [&](int64_t index, Scratch& scratch) {
         const Task& task = tasks[index];
-        run_task(geo, task, q, packed(task.chunk, task.kv_head), o, out_first, scratch);
+        const int64_t at = offset(task.chunk, task.kv_head);
+        run_task(geo, task, q, Packed{key_blocks + at, value_blocks + at}, o, out_first, scratch);
       });
   return out;
 }

@@ -1,12 +1,14 @@
 // Tasks of Brigade's CPU attention kernels on torch's thread pool (cpu_prefill.cpp,
-// cpu_cascade.cpp).
+// cpu_prefill_tiles.cpp, cpu_cascade.cpp).
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <vector>
 
 namespace brigade_cpu {
 
@@ -23,6 +25,57 @@ void run_tasks(int64_t num_tasks, const MakeScratch& make_scratch, const Body& b
       for (int64_t index = next++; index < num_tasks; index = next++) body(index, scratch);
     }
   });
+}
+
+// A prefill task: query tokens [token, token + count) of chunk `chunk` (of block table row
+// `row`), at positions [position, position + count), for KV head kv_head.
+struct PrefillTask {
+  int64_t chunk, row, token, count, position, kv_head;
+};
+
+// The tasks of a step's prefill chunks (chunks [n, 4] int64 rows of (row, first token, end
+// token, seq_len); block_tables [rows, max_pages] int64): blocks of up to `block` tokens of a
+// chunk per KV head, costliest first (a task's work grows with the keys its last token sees).
+// Checks that the chunks are contiguous runs of tokens in order, inside query's `tokens` and
+// their rows' block tables. Sets first and end to the tokens the chunks span.
+inline std::vector<PrefillTask> prefill_tasks(const at::Tensor& chunks,
+                                              const at::Tensor& block_tables, int64_t tokens,
+                                              int64_t page_size, int64_t num_kv_heads,
+                                              int64_t block, int64_t window, int64_t& first,
+                                              int64_t& end) {
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() &&
+                  block_tables.dim() == 2 && chunks.scalar_type() == at::kLong &&
+                  chunks.is_contiguous() && chunks.dim() == 2 && chunks.size(1) == 4,
+              "block_tables must be int64 [rows, max_pages], chunks int64 [n, 4]");
+  const int64_t* spec = chunks.data_ptr<int64_t>();
+  const int64_t num_chunks = chunks.size(0);
+  const int64_t capacity = block_tables.size(1) * page_size;
+  std::vector<PrefillTask> tasks;
+  first = num_chunks ? spec[1] : 0;
+  end = first;
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    const int64_t row = spec[4 * c], start = spec[4 * c + 1], stop = spec[4 * c + 2];
+    const int64_t seq_len = spec[4 * c + 3];
+    TORCH_CHECK(row >= 0 && row < block_tables.size(0) && start == end && stop > start &&
+                    stop <= tokens && seq_len >= stop - start && seq_len <= capacity,
+                "chunk ", c, " is not a contiguous run of tokens inside its row's block table");
+    end = stop;
+    const int64_t start_position = seq_len - (stop - start);
+    for (int64_t token = start; token < stop; token += block) {
+      const int64_t count = std::min(block, stop - token);
+      for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+        tasks.push_back({c, row, token, count, start_position + (token - start), kv_head});
+      }
+    }
+  }
+  std::stable_sort(tasks.begin(), tasks.end(), [&](const PrefillTask& a, const PrefillTask& b) {
+    const auto keys = [&](const PrefillTask& t) {
+      const int64_t last = t.position + t.count;
+      return window > 0 ? std::min(window + t.count, last) : last;
+    };
+    return keys(a) * a.count > keys(b) * b.count;
+  });
+  return tasks;
 }
 
 }  // namespace brigade_cpu

@@ -10,8 +10,8 @@ copies every row's pages up to the longest row's. Prefill chunks likewise go thr
 prefill kernel (``native_prefill``): every chunk of the step in one call, causal over the pages
 in place, no gathered keys and no mask tensors; in bfloat16 on a CPU with AMX its tile
 version (``cpu_prefill_tiles.cpp``: both products of flash attention on AMX tiles). Their
-build is cached; where it cannot be built (or the head size does not
-fit its vectors), attention takes the SDPA paths above.
+build is cached; where it cannot be built (or the head size does not fit its vectors),
+attention takes the SDPA paths above.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Brigade's GEMMs for a model's linear layers on a CPU, on weights packed once at load.
 
-``F.linear`` on a CPU in float32 calls MKL's sgemm. Two faster paths:
+``F.linear`` on a CPU in float32 calls MKL's sgemm. Faster paths:
 
 - ``panels`` (the default): Brigade's own float32 kernel (``cpu_gemm.cpp``) on the weight
   packed into column panels, one vector of output columns each, k-major. Per step each weight
@@ -20,15 +20,15 @@
   micro-kernel, one call per block over all of K. For latency-bound serving: on SmolLM2 it
   made a one-row decode step ~20% faster than oneDNN's matmul, level at 64-512 rows, and a
   2048-token chunk's GEMMs ~1.3x slower (an Intel Xeon, 2 threads, docs/benchmarks.md).
+- ``packed``: oneDNN's matmul (``torch.ops.mkldnn._linear_pointwise``) on the weight
+  reordered once into the blocked layout its kernels read for this CPU
+  (``torch.ops.mkldnn._reorder_linear_weight``), as vLLM-CPU does; ``onednn`` runs it on the
+  weight as loaded (reordered at every call).
 
 A gate_up projection (marked by its model with :func:`mark_gate_up`) packs its gate and up
 columns in pairs on panels and tiles, so that :meth:`CpuLinear.silu_mul` computes
 ``silu(gate) * up`` as the GEMM stores its output, without writing the projection's output (on
 panels 4-6% faster than the GEMM and the SiLU-mul one after the other; the same results).
-- ``packed``: oneDNN's matmul (``torch.ops.mkldnn._linear_pointwise``) on the weight
-  reordered once into the blocked layout its kernels read for this CPU
-  (``torch.ops.mkldnn._reorder_linear_weight``), as vLLM-CPU does; ``onednn`` runs it on the
-  weight as loaded (reordered at every call).
 
 :func:`use_cpu_linears` swaps every ``nn.Linear`` of a model for a :class:`CpuLinear`, a
 module swap (as ``torch.ao`` quantization does). The packed copy replaces the dense weight, so
