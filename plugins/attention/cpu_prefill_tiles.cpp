@@ -3,16 +3,17 @@
 // of flash attention, scores = Q K^T and out += P V, on oneDNN's AMX micro-kernel as torch
 // exports it (at::native::cpublas::brgemm: bfloat16 products summed in float32).
 //
-// First each (chunk, KV head) copies its keys and values out of the pages once, in blocks of
-// kKeyBlock keys laid out as the micro-kernel reads its second operand (k pairs interleaved):
-// K^T blocks [head_dim / 2][kKeyBlock][2] and V blocks [kKeyBlock / 2][head_dim][2], the last
-// block zero-padded. Then a task is a block of up to kQueryBlock tokens of one chunk and one
-// KV head, its rows the (token, query head of that KV head) pairs (so the query heads of a KV
-// head share every key block it reads), copied once into a dense [rows, head_dim] block. Per
-// key block: scores for all rows in one call, the running softmax per row in float32 (scaled,
-// masked past the row's position and outside its window, flash attention's rescaling of the
-// row's sums), the weights rounded to bfloat16 and out += P V in a second call. Blocks no row
-// can see are skipped. Tasks run costliest first on a shared counter (cpu_tasks.h).
+// First each (chunk, KV head) copies its keys and values out of the pages once (from the first
+// its tokens' windows reach, if any), in blocks of kKeyBlock keys laid out as the micro-kernel
+// reads its second operand (k pairs interleaved): K^T blocks [head_dim / 2][kKeyBlock][2] and
+// V blocks [kKeyBlock / 2][head_dim][2], the last block zero-padded. Then a task is a block of
+// up to kQueryBlock tokens of one chunk and one KV head, its rows the (token, query head of
+// that KV head) pairs (so the query heads of a KV head share every key block it reads), copied
+// once into a dense [rows, head_dim] block. Per key block: scores for all rows in one call, the
+// running softmax per row in float32 (scaled, masked past the row's position and outside its
+// window, flash attention's rescaling of the row's sums), the weights rounded to bfloat16 and
+// out += P V in a second call. Blocks no row can see are skipped. Tasks run costliest first on
+// a shared counter (cpu_tasks.h).
 //
 // torch's flash attention, which bfloat16 prefills on AMX took before, runs the same two
 // products on the same micro-kernel, but its softmax and packing cost more: a 512-token
@@ -67,29 +68,37 @@ struct Geometry {
   float scale;
 };
 
-// One (chunk, KV head)'s keys and values, packed: key blocks of [head_dim / 2][kKeyBlock][2]
-// and value blocks of [kKeyBlock / 2][head_dim][2], each block kKeyBlock * head_dim values.
+// One (chunk, KV head)'s keys and values from key block first_block on (the blocks before it
+// are out of every token's window), packed: key blocks of [head_dim / 2][kKeyBlock][2] and
+// value blocks of [kKeyBlock / 2][head_dim][2], each block kKeyBlock * head_dim values.
 struct Packed {
   const BFloat16* keys;
   const BFloat16* values;
+  int64_t first_block;
 };
 
-// Copies keys [0, seq_len) of `row`'s KV head `kv_head` out of the pages into key_blocks and
-// value_blocks (ceil(seq_len / kKeyBlock) blocks each), padding the last block with zeros.
+// The first key block a chunk's tokens can see: its first token's window's first key's.
+int64_t first_block(int64_t window, int64_t start_position) {
+  return window > 0 ? std::max<int64_t>(0, start_position - window + 1) / kKeyBlock : 0;
+}
+
+// Copies keys [first_block * kKeyBlock, seq_len) of `row`'s KV head `kv_head` out of the pages
+// into key_blocks and value_blocks (ceil(seq_len / kKeyBlock) - first_block blocks each),
+// padding the last block with zeros.
 void pack_keys(const Geometry& geo, const BFloat16* key_cache, const BFloat16* value_cache,
-               const int64_t* table, int64_t seq_len, int64_t kv_head, BFloat16* key_blocks,
-               BFloat16* value_blocks) {
+               const int64_t* table, int64_t first_block, int64_t seq_len, int64_t kv_head,
+               BFloat16* key_blocks, BFloat16* value_blocks) {
   const int64_t D = geo.head_dim, block_size = kKeyBlock * D;
-  const int64_t whole = seq_len / kKeyBlock;  // blocks before a partial last one
-  const int64_t end = (seq_len + kKeyBlock - 1) / kKeyBlock * block_size;
+  const int64_t whole = seq_len / kKeyBlock - first_block;  // blocks before a partial last one
+  const int64_t end = ((seq_len + kKeyBlock - 1) / kKeyBlock - first_block) * block_size;
   std::fill(key_blocks + whole * block_size, key_blocks + end, BFloat16(0));
   std::fill(value_blocks + whole * block_size, value_blocks + end, BFloat16(0));
   const auto at = [&](int64_t key) {  // where a key's head_dim values lie in either cache
     const int64_t slot = table[key / geo.page_size] * geo.page_size + key % geo.page_size;
     return (slot * geo.kv_heads + kv_head) * D;
   };
-  for (int64_t key = 0; key < seq_len; key += 2) {
-    const int64_t b = key / kKeyBlock, j = key % kKeyBlock;  // j even
+  for (int64_t key = first_block * kKeyBlock; key < seq_len; key += 2) {
+    const int64_t b = key / kKeyBlock - first_block, j = key % kKeyBlock;  // j even
     const bool pair = key + 1 < seq_len;
     const int64_t first = at(key), second = pair ? at(key + 1) : first;
     // K^T: the pair (d, d + 1) of key j is element j of pair row d / 2.
@@ -250,7 +259,7 @@ void run_task(const Geometry& geo, const Task& task, const BFloat16* query, cons
   const int64_t first =
       geo.window > 0 ? std::max<int64_t>(0, task.position - geo.window + 1) : 0;
   for (int64_t block = first / kKeyBlock; block * kKeyBlock < last; ++block) {
-    const int64_t offset = block * kKeyBlock * D;
+    const int64_t offset = (block - packed.first_block) * kKeyBlock * D;
     at::native::cpublas::brgemm(rows, kKeyBlock, D, D, kKeyBlock, kKeyBlock, false,
                                 s.queries.data(), packed.keys + offset, s.scores.data(), true);
     softmax_block(geo, task, block * kKeyBlock, s);
@@ -298,8 +307,11 @@ at::Tensor paged_prefill_tiles(at::Tensor query, at::Tensor key_cache, at::Tenso
   const int64_t* spec = chunks.data_ptr<int64_t>();
   const int64_t num_chunks = chunks.size(0);
   std::vector<int64_t> packed_at(num_chunks + 1, 0);  // each chunk's first packed value
+  std::vector<int64_t> first_blocks(num_chunks);
   for (int64_t c = 0; c < num_chunks; ++c) {
-    const int64_t blocks = (spec[4 * c + 3] + kKeyBlock - 1) / kKeyBlock;  // of its seq_len
+    const int64_t seq_len = spec[4 * c + 3], tokens = spec[4 * c + 2] - spec[4 * c + 1];
+    first_blocks[c] = first_block(window, seq_len - tokens);
+    const int64_t blocks = (seq_len + kKeyBlock - 1) / kKeyBlock - first_blocks[c];
     packed_at[c + 1] = packed_at[c] + num_kv_heads * blocks * kKeyBlock * head_dim;
   }
   auto out = at::empty({out_end - out_first, num_heads, head_dim}, query.options());
@@ -318,7 +330,7 @@ at::Tensor paged_prefill_tiles(at::Tensor query, at::Tensor key_cache, at::Tenso
     for (int64_t i = begin; i < end; ++i) {
       const int64_t c = i / num_kv_heads, kv_head = i % num_kv_heads, at = offset(c, kv_head);
       pack_keys(geo, key_data, value_data, tables + spec[4 * c] * block_tables.size(1),
-                spec[4 * c + 3], kv_head, key_blocks + at, value_blocks + at);
+                first_blocks[c], spec[4 * c + 3], kv_head, key_blocks + at, value_blocks + at);
     }
   });
   const BFloat16* q = query.data_ptr<BFloat16>();
@@ -328,7 +340,8 @@ at::Tensor paged_prefill_tiles(at::Tensor query, at::Tensor key_cache, at::Tenso
       [&](int64_t index, Scratch& scratch) {
         const Task& task = tasks[index];
         const int64_t at = offset(task.chunk, task.kv_head);
-        run_task(geo, task, q, Packed{key_blocks + at, value_blocks + at}, o, out_first, scratch);
+        const Packed packed{key_blocks + at, value_blocks + at, first_blocks[task.chunk]};
+        run_task(geo, task, q, packed, o, out_first, scratch);
       });
   return out;
 }
