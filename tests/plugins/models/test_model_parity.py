@@ -31,6 +31,7 @@ from brigade.interfaces import ExecutorParams, NoOptions
 from brigade.model_input import SeqChunk, build_model_input
 from brigade.models.checkpoint import open_checkpoint
 from brigade.plugins.attention.sdpa import SdpaBackend
+from brigade.plugins.executors.cpu_gemm import tiles_usable
 from brigade.plugins.executors.torch_executor import TorchExecutor, TorchExecutorOptions
 from brigade.plugins.models.rope import parse_rope_config, rope_cos_sin
 from brigade.testing.parity import assert_greedy_match
@@ -392,7 +393,15 @@ def test_build_model_input_refuses(chunks: list[SeqChunk], message: str) -> None
 
 
 @pytest.mark.parametrize("name", ["llama", "llama-gqa4-bias", "mistral-window8", "qwen2", "qwen3"])
-@pytest.mark.parametrize("cpu_linear", ["panels", "tiles"])
+@pytest.mark.parametrize(
+    "cpu_linear",
+    [
+        "panels",
+        pytest.param(
+            "tiles", marks=pytest.mark.skipif(not tiles_usable(), reason="no AMX tiles here")
+        ),
+    ],
+)
 def test_bfloat16_on_a_cpu_is_as_close_to_fp32_as_transformers_in_bfloat16(
     checkpoints: Callable[[str], tuple[Any, Path]], name: str, cpu_linear: str
 ) -> None:
