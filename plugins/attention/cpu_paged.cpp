@@ -3,9 +3,10 @@
 // For every row (OpenMP over the rows; over ranges of their keys when the rows are fewer than
 // twice the threads, merged by log-sum-exp after), the row's query heads score the row's keys,
 // page by page, up to the row's own length (and, with a sliding window, from its start); a
-// softmax in float32 turns scores into weights; the weighted values are summed. Nothing is gathered into a dense copy and no row reads past its own length, so a
-// batch of mixed lengths costs what its rows' tokens cost. The per-row kernels, and the
-// read-ahead that keeps a thread's next pages on their way into L2, are in cpu_rows.h.
+// softmax in float32 turns scores into weights; the weighted values are summed. Nothing is
+// gathered into a dense copy and no row reads past its own length, so a batch of mixed
+// lengths costs what its rows' tokens cost. The per-row kernels, and the read-ahead that keeps
+// a thread's next pages on their way into L2, are in cpu_rows.h.
 //
 // Layouts (contiguous): query [rows, heads, head_dim] float32 or bfloat16; key_cache and
 // value_cache [pages, page_size, kv_heads, head_dim] float32 or bfloat16; block_tables
