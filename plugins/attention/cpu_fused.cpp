@@ -159,10 +159,8 @@ at::Tensor silu_mul(at::Tensor gate_up) {
         T* o = out.data_ptr<T>() + row * width;
         int64_t e = 0;
         for (; e + brigade_cpu::kLanes <= width; e += brigade_cpu::kLanes) {
-          const brigade_cpu::vecf g = brigade_cpu::load_vec(gate + e);
-          const brigade_cpu::vecf silu =
-              brigade_cpu::round_vec(g / (1.0f + brigade_cpu::exp_vec(-g)), T{});
-          brigade_cpu::store_vec(o + e, silu * brigade_cpu::load_vec(up + e));
+          brigade_cpu::store_vec(o + e, brigade_cpu::silu_times<T>(brigade_cpu::load_vec(gate + e),
+                                                                   brigade_cpu::load_vec(up + e)));
         }
         for (; e < width; ++e) {
           const float g = to_float(gate[e]);

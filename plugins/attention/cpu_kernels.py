@@ -34,6 +34,7 @@ import torch
 from brigade.cache import cache_root
 
 __all__ = [
+    "amx_tiles_usable",
     "cpu_ops",
     "exclusive_build",
     "has_amx",
@@ -162,6 +163,16 @@ def has_amx() -> bool:
         return bool(check()) if check is not None else False
     except Exception:  # a private torch helper: never let it stop a model from loading
         return False
+
+
+def amx_tiles_usable() -> bool:
+    """Whether the AMX tile kernels (``cpu_tiles.cpp``, ``cpu_prefill_tiles.cpp``) run here: the
+    CPU has AMX tiles, the kernels are built and torch packs bfloat16 for oneDNN's AMX
+    micro-kernel."""
+    if not has_amx():
+        return False
+    ops = cpu_ops()
+    return ops is not None and bool(ops.tiles_usable())
 
 
 def kernels_take_head_dim(head_dim: int, lanes: int) -> bool:

@@ -156,4 +156,13 @@ inline vecf exp_vec(vecf x) {
   return p * scale;
 }
 
+// silu(gate) * up as torch computes it in T: silu = gate / (1 + exp(-gate)) rounded to T, times
+// up (gate and up already T's values); the caller's store rounds the product. silu_mul
+// (cpu_fused.cpp) and the GEMMs that store it from their sums (cpu_gemm.cpp, cpu_tiles.cpp)
+// all take it from here, so that their results agree bit for bit.
+template <typename T>
+inline vecf silu_times(vecf gate, vecf up) {
+  return round_vec(gate / (1.0f + exp_vec(-gate)), T{}) * up;
+}
+
 }  // namespace brigade_cpu

@@ -188,10 +188,9 @@ class SdpaBackend(AttentionBackend):
         """The C++ decode kernel once resolved (False: unavailable here)."""
         self._prefill: Any = None
         """(the C++ prefill kernel, the CPU's vector lanes) once resolved (False: unavailable)."""
-        self._amx = False
-        """Whether the CPU has AMX tiles for the tile prefill kernel (learned with the kernel)."""
         self._prefill_tiles: Any = None
-        """The tile prefill kernel where ``_amx``, else None."""
+        """The bfloat16 prefill kernel on AMX tiles where it runs, else None (learned with the
+        prefill kernel)."""
 
     def _decode_kernel(self, device: torch.device) -> Any:
         if device.type != "cpu" or not self._native:
@@ -210,13 +209,16 @@ class SdpaBackend(AttentionBackend):
             return None
         if {query.dtype, key_cache.dtype} - {torch.float32, torch.bfloat16}:
             return None
-        from brigade.plugins.attention.cpu_kernels import cpu_ops, has_amx, kernels_take_head_dim
+        from brigade.plugins.attention.cpu_kernels import (
+            amx_tiles_usable,
+            cpu_ops,
+            kernels_take_head_dim,
+        )
 
         if self._prefill is None:
             ops = cpu_ops()
             self._prefill = (ops.paged_prefill, int(ops.vector_lanes())) if ops else False
-            self._amx = has_amx() and ops is not None and bool(ops.tiles_usable())
-            self._prefill_tiles = ops.paged_prefill_tiles if self._amx else None
+            self._prefill_tiles = ops.paged_prefill_tiles if amx_tiles_usable() else None
         if not self._prefill:
             return None
         kernel, lanes = self._prefill
@@ -225,7 +227,7 @@ class SdpaBackend(AttentionBackend):
         # bfloat16 on a CPU with AMX: the products on AMX tiles. On an AMX Xeon a 512-token
         # SmolLM2 prompt's attention took ~20 ms there, 32 in torch's flash attention (also on
         # AMX) and 55 on the vector kernel (docs/benchmarks.md).
-        if self._amx and query.dtype == key_cache.dtype == torch.bfloat16:
+        if self._prefill_tiles is not None and query.dtype == key_cache.dtype == torch.bfloat16:
             return self._prefill_tiles
         return kernel
 

@@ -157,8 +157,7 @@ void store_pair(const Gemm<T>& g, int64_t row, int64_t panel, const Gate& gate, 
     T* o = g.out + (row + r) * g.out_features + column;
     const vecf a = brigade_cpu::round_vec(gate(r) + gate_bias, T{});
     const vecf b = brigade_cpu::round_vec(up(r) + up_bias, T{});
-    const vecf silu = brigade_cpu::round_vec(a / (1.0f + brigade_cpu::exp_vec(-a)), T{});
-    const vecf result = silu * b;
+    const vecf result = brigade_cpu::silu_times<T>(a, b);
     if (width == kLanes) {
       store_vec(o, result);
     } else {

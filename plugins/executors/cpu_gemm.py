@@ -129,14 +129,11 @@ def panels_chosen(dtype: torch.dtype = torch.float32) -> bool:
 
 
 def tiles_usable(dtype: torch.dtype = torch.bfloat16) -> bool:
-    """Whether Brigade's AMX tile GEMM runs ``dtype`` here: bfloat16 on a CPU with AMX tiles,
-    where the kernels are built and torch packs for oneDNN's AMX micro-kernel."""
-    from brigade.plugins.attention.cpu_kernels import has_amx
+    """Whether Brigade's AMX tile GEMM runs ``dtype`` here: bfloat16 where the AMX tile kernels
+    run (:func:`~brigade.plugins.attention.cpu_kernels.amx_tiles_usable`)."""
+    from brigade.plugins.attention.cpu_kernels import amx_tiles_usable
 
-    if dtype != torch.bfloat16 or not has_amx():
-        return False
-    ops = _panel_ops()
-    return ops is not None and bool(ops.tiles_usable())
+    return dtype == torch.bfloat16 and amx_tiles_usable()
 
 
 def _panel_ops() -> Any:

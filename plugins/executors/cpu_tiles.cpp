@@ -96,11 +96,9 @@ void store_block(const Gemm& g, const float* sums, int64_t row, int64_t count, i
     for (int64_t j = 0; j < columns; j += kLanes) {
       vecf value = load_vec(s + j) + load_vec(bias + j);
       if (g.silu) {
-        const vecf gate = round_vec(value, BFloat16{});
-        const vecf up = round_vec(load_vec(s + kWidth + j) + load_vec(bias + kWidth + j),
-                                  BFloat16{});
-        const vecf silu = round_vec(gate / (1.0f + brigade_cpu::exp_vec(-gate)), BFloat16{});
-        value = silu * up;
+        const vecf up = load_vec(s + kWidth + j) + load_vec(bias + kWidth + j);
+        value = brigade_cpu::silu_times<BFloat16>(round_vec(value, BFloat16{}),
+                                                  round_vec(up, BFloat16{}));
       }
       store_vec(target + j, value);
     }
