@@ -249,10 +249,47 @@ inline void for_each_page(const int64_t* pages, int64_t first, int64_t length, i
   }
 }
 
-// Query heads the values pass sums at once: their C accumulators each, a broadcast weight each
-// and a loaded value within the vector registers.
+// Query heads of one KV head the values pass sums at once: their C accumulators and a
+// broadcast weight each, and a slot's values widened two vectors at a time, within the vector
+// registers.
 constexpr int value_heads(int c) {
   return std::max(1, std::min(4, (kVectorRegisters - 2) / (c + 1)));
+}
+
+// The values pass for U query heads of one KV head over a page's slots [0, n): acc[i] +=
+// w[i][j] * value_j for each slot j (value_j at value + j * token_stride), widening each slot's
+// values once for all U heads; then o[i] += acc[i]. before(j) runs as slot j starts (the
+// caller's prefetches).
+template <int C, int U, typename Cache, typename Before>
+inline void sum_values(const float* const (&w)[U], const Cache* value, int64_t n,
+                       int64_t token_stride, float* const (&o)[U], const Before& before) {
+  constexpr bool pairs = std::is_same_v<Cache, c10::BFloat16> && C % 2 == 0;
+  vecf acc[U][C] = {};
+  for (int64_t j = 0; j < n; ++j, value += token_stride) {
+    before(j);
+    vecf weight[U];
+    for (int i = 0; i < U; ++i) weight[i] = vecf{} + w[i][j];
+    if constexpr (pairs) {
+      for (int c = 0; c < C; c += 2) {
+        vecf even, odd;
+        load_pairs(value + c * kLanes, even, odd);
+        for (int i = 0; i < U; ++i) {
+          acc[i][c] += weight[i] * even;
+          acc[i][c + 1] += weight[i] * odd;
+        }
+      }
+    } else {
+      for (int c = 0; c < C; ++c) {
+        const vecf v = load_vec(value + c * kLanes);
+        for (int i = 0; i < U; ++i) acc[i][c] += weight[i] * v;
+      }
+    }
+  }
+  for (int i = 0; i < U; ++i) {
+    for (int c = 0; c < C; ++c) {
+      store_vec(o[i] + c * kLanes, load_vec(o[i] + c * kLanes) + acc[i][c]);
+    }
+  }
 }
 
 // out[0, m) = the sums of acc[0, m)'s lanes, times scale (all kLanes summed at once).
@@ -328,8 +365,9 @@ inline void split_pairs(float* v, int64_t heads, bool back) {
 // C * kLanes); `offset` is h0's element offset within a slot, s holds [kv_heads * group,
 // count] scores as scratch. Both passes walk the pages in order, reading each slot's heads
 // as one contiguous span; the scores pass takes a page's keys kLanes at a time (score_block),
-// the values pass sums a page's slots for value_heads(C) query heads at a time in registers,
-// while the page is hot in L1. lse (unless null) gets each query head's log-sum-exp.
+// the values pass sums a page's slots in registers for each KV head's query heads, up to
+// value_heads(C) of them at a time, while the page is hot in L1. lse (unless null) gets each
+// query head's log-sum-exp.
 template <int C, typename Cache>
 void attend_vec(const float* q, const Cache* key_cache, const Cache* value_cache,
                 const int64_t* pages, int64_t first, int64_t length, int64_t offset,
@@ -391,49 +429,42 @@ void attend_vec(const float* q, const Cache* key_cache, const Cache* value_cache
                   ahead.prefetch_slots(far, n, page_size);
                 });
   softmax_rows(s, heads, count, lse);
-  // Pass 2: the weighted values, H query heads at a time (the last group's missing heads
-  // repeat the last head and are not stored).
+  // Pass 2: the weighted values, each KV head's query heads up to H at a time (a slot's values
+  // widened once for all of them).
   constexpr int H = value_heads(C);
   std::fill(o, o + heads * head_dim, 0.0f);
   for_each_page(
       pages, first, length, page_size, page_stride, token_stride,
       [&](int64_t page, int64_t next, int64_t t0, int64_t n) {
-        const Cache* base = value_cache + page + offset;
         const Cache* following = value_cache + next + offset;
         const char* far = ahead.next();
-        for (int64_t g0 = 0; g0 < heads; g0 += H) {
-          const float* w[H];
-          const Cache* value[H];  // each head's value in the slot j is at
-          for (int i = 0; i < H; ++i) {
-            const int64_t g = std::min(g0 + i, heads - 1);
-            w[i] = s + g * count + t0;
-            value[i] = base + g / group * head_dim;
-          }
-          vecf acc[H][C] = {};
-          for (int64_t j = 0; j < n; ++j) {
-            if (g0 == 0) {
-              if (next >= 0) prefetch_span(following + j * token_stride, span_bytes);
-              ahead.prefetch_slots(far, j, j + 1);
-            }
-            for (int i = 0; i < H; ++i) {
-              const vecf weight = vecf{} + w[i][j];
-              if constexpr (pairs) {
-                for (int c = 0; c < C; c += 2) {
-                  vecf even, odd;
-                  load_pairs(value[i] + c * kLanes, even, odd);
-                  acc[i][c] += weight * even;
-                  acc[i][c + 1] += weight * odd;
-                }
-              } else {
-                for (int c = 0; c < C; ++c) acc[i][c] += weight * load_vec(value[i] + c * kLanes);
+        const auto fetch = [&](int64_t j) {
+          if (next >= 0) prefetch_span(following + j * token_stride, span_bytes);
+          ahead.prefetch_slots(far, j, j + 1);
+        };
+        const auto nothing = [](int64_t) {};
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          const Cache* value = value_cache + page + offset + h * head_dim;
+          for (int64_t g0 = h * group; g0 < (h + 1) * group; g0 += H) {
+            const auto run = [&](auto heads_now) {
+              constexpr int U = decltype(heads_now)::value;
+              const float* w[U];
+              float* out[U];
+              for (int i = 0; i < U; ++i) {
+                w[i] = s + (g0 + i) * count + t0;
+                out[i] = o + (g0 + i) * head_dim;
               }
-              value[i] += token_stride;
-            }
-          }
-          for (int i = 0; i < H && g0 + i < heads; ++i) {
-            float* out = o + (g0 + i) * head_dim;
-            for (int c = 0; c < C; ++c) {
-              store_vec(out + c * kLanes, load_vec(out + c * kLanes) + acc[i][c]);
+              if (g0 == 0) {
+                sum_values<C, U>(w, value, n, token_stride, out, fetch);
+              } else {
+                sum_values<C, U>(w, value, n, token_stride, out, nothing);
+              }
+            };
+            switch (std::min<int64_t>(H, (h + 1) * group - g0)) {
+              case 1: run(std::integral_constant<int, 1>{}); break;
+              case 2: if constexpr (H >= 2) run(std::integral_constant<int, 2>{}); break;
+              case 3: if constexpr (H >= 3) run(std::integral_constant<int, 3>{}); break;
+              default: if constexpr (H >= 4) run(std::integral_constant<int, 4>{}); break;
             }
           }
         }

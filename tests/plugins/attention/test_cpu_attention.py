@@ -175,6 +175,30 @@ def test_a_bfloat16_query_is_computed_in_float32_and_rounded_once(
     torch.testing.assert_close(out.float(), expected, atol=1e-5, rtol=2**-8)
 
 
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim"),
+    [
+        (9, 3, 64),  # SmolLM2: three query heads a KV head
+        (16, 2, 128),  # 8 query heads a KV head: the values pass takes them a few at a time
+        (14, 2, 32),  # 7 query heads a KV head, one pair of vectors per head
+        (4, 1, 48),  # an odd number of vectors per head: no pairs
+        (6, 6, 16),  # one query head a KV head, one vector per head
+    ],
+)
+def test_bfloat16_queries_on_a_bfloat16_cache_for_each_head_grouping(
+    kernel: object, heads: int, kv_heads: int, head_dim: int
+) -> None:
+    lengths = [1, 7, 16, 17, 130, 3, 64]
+    query, keys, values, tables, seq_lens = _paged_case(
+        lengths, heads=heads, kv_heads=kv_heads, head_dim=head_dim, page_size=16, seed=heads
+    )
+    query, keys, values = query.bfloat16(), keys.bfloat16(), values.bfloat16()
+    scale = head_dim**-0.5
+    out = kernel(query, keys, values, tables, seq_lens, 0, scale)  # type: ignore[operator]
+    expected = _reference(query.float(), keys, values, tables, seq_lens, 0, scale)
+    torch.testing.assert_close(out.float(), expected, atol=1e-5, rtol=2**-8)
+
+
 def test_a_row_longer_than_its_block_table_is_refused(kernel: object) -> None:
     query, keys, values, tables, _ = _paged_case(
         [5, 9], heads=2, kv_heads=1, head_dim=8, page_size=4, seed=0
