@@ -61,7 +61,11 @@ using BFloat16 = c10::BFloat16;
 
 constexpr int64_t kQueryBlock = 32;  // query tokens per task
 constexpr int64_t kKeyBlock = 128;   // keys per micro-kernel call
-static_assert(kKeyBlock % kLanes == 0, "a key block holds whole vectors");
+// A block's last keys that no row of a task sees are left out of its products in steps of
+// kKeySteps (one AMX tile's k depth).
+constexpr int64_t kKeySteps = 32;
+static_assert(kKeyBlock % kKeySteps == 0 && kKeySteps % kLanes == 0,
+              "a key block holds whole steps, a step whole vectors");
 
 struct Geometry {
   int64_t num_heads, group, head_dim, page_size, kv_heads, window;
@@ -189,9 +193,12 @@ inline float lane_sum(vecf v) {
 #endif
 }
 
-// Scores of one key block (keys [first_key, first_key + kKeyBlock)) for the task's rows into
-// the running softmax: weights (bfloat16) for out += P V, the rows' sums rescaled.
-void softmax_block(const Geometry& geo, const Task& task, int64_t first_key, Scratch& s) {
+// Scores of the first `keys` keys of a key block (keys [first_key, first_key + keys), keys a
+// multiple of kLanes) for the task's rows into the running softmax: weights (bfloat16) for
+// out += P V, the rows' sums rescaled. A row's vectors past its last visible key get zero
+// weights without an exp2.
+void softmax_block(const Geometry& geo, const Task& task, int64_t first_key, int64_t keys,
+                   Scratch& s) {
   const int64_t rows = task.count * geo.group, D = geo.head_dim;
   constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
   constexpr int64_t kVectors = kKeyBlock / kLanes;
@@ -202,20 +209,22 @@ void softmax_block(const Geometry& geo, const Task& task, int64_t first_key, Scr
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t position = task.position + r / geo.group;
     // Keys [low, high) of this block are visible to the row, as offsets in the block.
-    const int64_t high = std::min<int64_t>(kKeyBlock, position + 1 - first_key);
+    const int64_t high = std::min<int64_t>(keys, position + 1 - first_key);
     const int64_t low =
         geo.window > 0 ? std::max<int64_t>(0, position - geo.window + 1 - first_key) : 0;
     const float* score = s.scores.data() + r * kKeyBlock;
     BFloat16* weight = s.weights.data() + r * kKeyBlock;
     if (high <= low) {  // nothing here for this row
-      std::fill(weight, weight + kKeyBlock, BFloat16(0));
+      std::fill(weight, weight + keys, BFloat16(0));
       continue;
     }
-    const bool whole = low == 0 && high == kKeyBlock;
+    const int64_t vectors = (high + kLanes - 1) / kLanes;  // those holding a visible key
+    std::fill(weight + vectors * kLanes, weight + keys, BFloat16(0));
+    const bool whole = low == 0 && high == vectors * kLanes;
     const vecf lo = vecf{} + static_cast<float>(low), hi = vecf{} + static_cast<float>(high);
     vecf x[kVectors];
     vecf block_max = vecf{} + kMinusInf;
-    for (int64_t v = 0; v < kVectors; ++v) {
+    for (int64_t v = 0; v < vectors; ++v) {
       x[v] = load_vec(score + v * kLanes) * scale2;
       if (!whole) {
         const vecf at = lane + static_cast<float>(v * kLanes);
@@ -229,7 +238,7 @@ void softmax_block(const Geometry& geo, const Task& task, int64_t first_key, Scr
                           : old_max == kMinusInf ? 0.0f
                                                  : std::exp2(old_max - new_max);
     vecf total = {};
-    for (int64_t v = 0; v < kVectors; ++v) {
+    for (int64_t v = 0; v < vectors; ++v) {
       vecf p = exp2_vec(x[v] - new_max);
       if (!whole) p = x[v] == kMinusInf ? vecf{} : p;  // exp2_vec clamps: never exactly 0
       total += p;
@@ -260,10 +269,14 @@ void run_task(const Geometry& geo, const Task& task, const BFloat16* query, cons
       geo.window > 0 ? std::max<int64_t>(0, task.position - geo.window + 1) : 0;
   for (int64_t block = first / kKeyBlock; block * kKeyBlock < last; ++block) {
     const int64_t offset = (block - packed.first_block) * kKeyBlock * D;
-    at::native::cpublas::brgemm(rows, kKeyBlock, D, D, kKeyBlock, kKeyBlock, false,
+    // The block's keys up to the last any row sees, in steps of kKeySteps (both products take
+    // the first `keys` columns of the packed block).
+    const int64_t keys = std::min<int64_t>(
+        kKeyBlock, (last - block * kKeyBlock + kKeySteps - 1) / kKeySteps * kKeySteps);
+    at::native::cpublas::brgemm(rows, keys, D, D, kKeyBlock, kKeyBlock, false,
                                 s.queries.data(), packed.keys + offset, s.scores.data(), true);
-    softmax_block(geo, task, block * kKeyBlock, s);
-    at::native::cpublas::brgemm(rows, D, kKeyBlock, kKeyBlock, D, D, true, s.weights.data(),
+    softmax_block(geo, task, block * kKeyBlock, keys, s);
+    at::native::cpublas::brgemm(rows, D, keys, kKeyBlock, D, D, true, s.weights.data(),
                                 packed.values + offset, s.sums.data(), true);
   }
   for (int64_t r = 0; r < rows; ++r) {
