@@ -20,6 +20,7 @@
 #include <ATen/core/stack.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/ops/index_copy.h>
 #include <ATen/ops/linear.h>
 #include <torch/library.h>
@@ -40,6 +41,13 @@
 at::Tensor paged_decode(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
                         at::Tensor block_tables, at::Tensor seq_lens, int64_t window,
                         double scale, bool cascade);
+// cpu_prefill.cpp, cpu_prefill_tiles.cpp
+at::Tensor paged_prefill(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
+                         at::Tensor block_tables, at::Tensor chunks, int64_t window,
+                         double scale);
+at::Tensor paged_prefill_tiles(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
+                               at::Tensor block_tables, at::Tensor chunks, int64_t window,
+                               double scale);
 // cpu_gemm.cpp
 at::Tensor panel_linear(at::Tensor x, at::Tensor panels, std::optional<at::Tensor> bias,
                         int64_t out_features);
@@ -255,12 +263,44 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
   return stack.back().toTensor();
 }
 
-// Every decoder layer of a pure decode step (each row one new token) in one call: the same
-// kernels in the same order as the eager forward (input RMSNorm, qkv, RoPE, KV write, paged
-// decode attention, o_proj, residual + post-attention RMSNorm, gate_up, SiLU-mul, down,
-// residual), so the result is identical to it; what it saves is Python and ~40 operator
-// dispatches per layer. Per layer l: weights[6l .. 6l+5] = input norm, qkv, o, post-attention
-// norm, gate_up, down; biases[4l .. 4l+3] = qkv, o, gate_up, down (None when absent);
+// Which prefill attention kernel decode_layers calls for a step's chunks (as the sdpa backend
+// picks it): none (a pure decode step), the vector kernel, or the one on AMX tiles.
+enum Prefill : int64_t { kNoChunks = 0, kVectorPrefill = 1, kTilePrefill = 2 };
+
+// One layer's attention as the sdpa backend's forward computes it: the first num_decodes rows
+// (one token each) by paged_decode, the chunks after them (prefill_chunks, rows of (row, first
+// token, end token, seq_len)) by the prefill kernel `prefill`.
+at::Tensor attend(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                  const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t window,
+                  double scale, bool cascade, int64_t num_decodes,
+                  const std::optional<at::Tensor>& prefill_chunks, int64_t prefill) {
+  if (prefill == kNoChunks) {
+    return paged_decode(q, key_cache, value_cache, block_tables, seq_lens, window, scale,
+                        cascade);
+  }
+  const int64_t tokens = q.size(0);
+  at::Tensor out = at::empty_like(q);
+  if (num_decodes > 0) {
+    out.narrow(0, 0, num_decodes)
+        .copy_(paged_decode(q.narrow(0, 0, num_decodes).contiguous(), key_cache, value_cache,
+                            block_tables.narrow(0, 0, num_decodes),
+                            seq_lens.narrow(0, 0, num_decodes), window, scale, cascade));
+  }
+  const auto kernel = prefill == kTilePrefill ? paged_prefill_tiles : paged_prefill;
+  out.narrow(0, num_decodes, tokens - num_decodes)
+      .copy_(kernel(q.contiguous(), key_cache, value_cache, block_tables, *prefill_chunks,
+                    window, scale));
+  return out;
+}
+
+// Every decoder layer of a step in one call: the same kernels in the same order as the eager
+// forward (input RMSNorm, qkv, RoPE, KV write, paged attention, o_proj, residual +
+// post-attention RMSNorm, gate_up, SiLU-mul, down, residual), so the result is identical to
+// it; what it saves is Python and ~40 operator dispatches per layer. A pure decode step (each
+// row one new token) has prefill = kNoChunks; a step with prefill chunks (after its
+// num_decodes decode rows) names the prefill kernel the sdpa backend would run for them.
+// Per layer l: weights[6l .. 6l+5] = input norm, qkv, o, post-attention norm, gate_up, down;
+// biases[4l .. 4l+3] = qkv, o, gate_up, down (None when absent);
 // windows[l] the sliding window (0: none); gemm how the linear layers run (enum Gemm) and
 // intermediate the MLP's width (the panel GEMM needs each layer's width); paired_gate_up: the
 // gate_up weights are paired panels or tile blocks (pack_panels or tile_pack, paired=True),
@@ -273,7 +313,8 @@ at::Tensor decode_layers(at::Tensor hidden, at::Tensor cos, at::Tensor sin,
                          c10::List<std::optional<at::Tensor>> biases, std::vector<int64_t> windows,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
                          double scale, int64_t gemm, bool cascade, int64_t intermediate,
-                         bool paired_gate_up) {
+                         bool paired_gate_up, int64_t num_decodes,
+                         std::optional<at::Tensor> prefill_chunks, int64_t prefill) {
   const int64_t num_layers = static_cast<int64_t>(key_caches.size());
   TORCH_CHECK(value_caches.size() == key_caches.size() &&
                   static_cast<int64_t>(weights.size()) == 6 * num_layers &&
@@ -284,6 +325,13 @@ at::Tensor decode_layers(at::Tensor hidden, at::Tensor cos, at::Tensor sin,
               "decode_layers: gemm must be 0 (F.linear), 1 (oneDNN), 2 (panels) or 3 (tiles)");
   TORCH_CHECK(!paired_gate_up || gemm == kPanels || gemm == kTiles,
               "decode_layers: paired gate_up needs panels or tiles");
+  TORCH_CHECK(prefill == kNoChunks ? num_decodes == hidden.size(0)
+                                   : (prefill == kVectorPrefill || prefill == kTilePrefill) &&
+                                         prefill_chunks.has_value() && num_decodes >= 0 &&
+                                         num_decodes <= hidden.size(0),
+              "decode_layers: a decode step's rows are all decodes; a step with chunks needs "
+              "prefill 1 (vector kernel) or 2 (tiles), its chunks and at most its rows of "
+              "decodes");
   const int64_t tokens = hidden.size(0), hidden_size = hidden.size(1);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   for (int64_t l = 0; l < num_layers; ++l) {
@@ -303,8 +351,8 @@ at::Tensor decode_layers(at::Tensor hidden, at::Tensor cos, at::Tensor sin,
     value_cache.view({-1, num_kv_heads, head_dim})
         .index_copy_(0, slot_mapping, v.to(value_cache.scalar_type()));
     const at::Tensor attention =
-        paged_decode(q_rot, key_cache, value_cache, block_tables, seq_lens, windows[l], scale,
-                     cascade);
+        attend(q_rot, key_cache, value_cache, block_tables, seq_lens, windows[l], scale,
+               cascade, num_decodes, prefill_chunks, prefill);
     const at::Tensor delta =
         linear(attention.view({tokens, q_size}), w[2], bias(1), gemm, hidden_size);
     auto [summed, post] = add_rms_norm(hidden, delta, w[3], eps);

@@ -105,8 +105,9 @@ class TorchExecutorOptions:
     )
     fused_decode: bool = option(
         True,
-        help="on a CPU in float32 or bfloat16, with fused_ops, run all decoder layers of a pure "
-        "decode step as one C++ call (the same kernels in the same order as the eager forward, so "
+        help="on a CPU in float32 or bfloat16, with fused_ops, run all decoder layers of a step "
+        "as one C++ call (decode steps, and steps whose prefill chunks take the sdpa backend's "
+        "C++ prefill kernel; the same kernels in the same order as the eager forward, so "
         "identical results, without Python's per-operation overhead); false = layer by layer",
     )
     tensor_parallel_size: int = option(

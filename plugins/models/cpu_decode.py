@@ -1,11 +1,13 @@
-"""A pure decode step's decoder layers in one C++ call, on a CPU in float32 or bfloat16.
+"""A step's decoder layers in one C++ call, on a CPU in float32 or bfloat16.
 
 At decode batch sizes the eager forward spends a large share of a step in Python and operator
 dispatch (~40 calls per layer around its four GEMMs: module calls, views, the KV write, the
-attention kernel, the fused small operations). ``torch.ops.brigade_cpu.decode_layers`` runs
-every layer with the same kernels in the same order, so its result is identical to the eager
-forward's (tested bit for bit); the eager forward remains the path for prefills, mixed steps,
-other backends, dtypes and devices, and models with qk norm (Qwen3). The linear layers are
+attention kernel, the fused small operations); a mixed step of 2048 tokens spent ~18 ms of its
+~340 there. ``torch.ops.brigade_cpu.decode_layers`` runs every layer with the same kernels in
+the same order, so its result is identical to the eager forward's (tested bit for bit): decode
+steps, and steps with prefill chunks where the sdpa backend would run its C++ prefill kernel
+(``native_prefill``). The eager forward remains the path for other attention backends, dtypes
+and devices, prefills without the C++ kernel, and models with qk norm (Qwen3). The linear layers are
 called as the eager forward calls them: the panel or tile GEMM or oneDNN on the weight of a
 ``CpuLinear``, F.linear for a plain ``nn.Linear``.
 """
@@ -44,20 +46,21 @@ class CpuDecodeLayers:
         kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
         metadata: Any,
     ) -> torch.Tensor | None:
-        """The residual stream after every layer of a pure decode step, or None when this
-        step is not one the fused call covers."""
+        """The residual stream after every layer of the step, or None when this step is not
+        one the fused call covers."""
         if (
             not self.enabled
             or hidden.device.type != "cpu"
             or not isinstance(metadata, SdpaMetadata)
         ):
             return None
-        if metadata.prefill_rows or metadata.num_decodes != hidden.shape[0]:
-            return None
         ops = self.model.fusion.ops(hidden)
         if ops is None or not self._can_run(hidden.device):
             return None
         if any(k.dtype not in (torch.float32, torch.bfloat16) for k, _ in kv_caches):
+            return None
+        prefill = self._prefill_kind(hidden, kv_caches[0][0], metadata)
+        if prefill is None:
             return None
         weights, biases, windows, sizes = self._layout()
         return ops.decode_layers(
@@ -73,7 +76,24 @@ class CpuDecodeLayers:
             biases,
             windows,
             *sizes,
+            metadata.num_decodes,
+            metadata.prefill_chunks,
+            prefill,
         )
+
+    def _prefill_kind(
+        self, hidden: torch.Tensor, key_cache: torch.Tensor, metadata: SdpaMetadata
+    ) -> int | None:
+        """``decode_layers``' prefill argument for this step: 0 for a pure decode step, 1 or 2
+        for the sdpa backend's C++ prefill kernel (vector, AMX tiles) on its chunks; None when
+        the backend would attend to the chunks otherwise (the eager layers run then)."""
+        if not metadata.prefill_rows:
+            return 0 if metadata.num_decodes == hidden.shape[0] else None
+        first = self.model.decoder_layers[0].self_attn
+        kernel = first.backend._prefill_kernel(hidden, key_cache, first.layer)
+        if kernel is None:
+            return None
+        return 2 if kernel is first.backend._prefill_tiles else 1
 
     def _can_run(self, device: torch.device) -> bool:
         """Whether this model's layers are ones the fused call reproduces exactly."""

@@ -1,10 +1,13 @@
 """The fused decode step (``decode_layers``: every layer of a pure decode step in one C++ call)
 gives the eager forward's logits bit for bit, on each architecture it covers, with each GEMM
-mode, in float32 and bfloat16, across steps and shuffled pages; other steps and models keep the
-eager layers."""
+mode, in float32 and bfloat16, across steps and shuffled pages, for decode steps and steps with
+prefill chunks; other models, and chunks the C++ prefill kernel does not take, keep the eager
+layers."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -34,22 +37,35 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
-def decode_logits(executor: object, steps: int = 4) -> tuple[list[torch.Tensor], int]:
-    """Prefill three prompts, then ``steps`` greedy decode steps of all three rows; returns
-    each decode step's logits and how often ``decode_layers`` ran."""
+@contextlib.contextmanager
+def counting_fused_calls(executor: object) -> Iterator[list[int]]:
+    """Counts the executor's ``decode_layers`` calls (in the list's one element) while open."""
     ops = cpu_ops()
     assert ops is not None, "the CPU kernels failed to build"
-    calls = 0
+    calls = [0]
     fusion = executor.model.fusion  # type: ignore[attr-defined]
     original = fusion.ops
 
     class Counting:
         def __getattr__(self, name: str) -> object:
-            nonlocal calls
-            calls += name == "decode_layers"
+            calls[0] += name == "decode_layers"
             return getattr(ops, name)
 
     fusion.ops = lambda x: Counting() if original(x) is not None else None
+    try:
+        yield calls
+    finally:
+        fusion.ops = original
+
+
+def decode_logits(executor: object, steps: int = 4) -> tuple[list[torch.Tensor], int]:
+    """Prefill three prompts, then ``steps`` greedy decode steps of all three rows; returns
+    each decode step's logits and how often ``decode_layers`` ran (prefills included)."""
+    with counting_fused_calls(executor) as calls:
+        return _decode_logits(executor, steps), calls[0]
+
+
+def _decode_logits(executor: object, steps: int) -> list[torch.Tensor]:
     pages = ShuffledPages(seed=3)
     prompts = token_sequences([5, 9, 3], seed=4)
     tables = [pages.take(len(p) + steps) for p in prompts]
@@ -69,8 +85,7 @@ def decode_logits(executor: object, steps: int = 4) -> tuple[list[torch.Tensor],
         for seq, token in zip(sequences, next_tokens, strict=True):
             seq.append(token)
         next_tokens = logits.argmax(dim=-1).tolist()
-    fusion.ops = original
-    return outputs, calls
+    return outputs
 
 
 @pytest.mark.parametrize("arch", list(MODELS))
@@ -86,12 +101,63 @@ def test_fused_decode_steps_equal_the_eager_layers(
     ours, fused_calls = decode_logits(fused)
     theirs, eager_calls = decode_logits(eager)
     assert eager_calls == 0
-    assert fused_calls == (0 if arch == "qwen3" else len(ours)), "the fused step did not run"
+    # the three prefills and every decode step
+    assert fused_calls == (0 if arch == "qwen3" else 3 + len(ours)), "the fused step did not run"
     for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
         assert torch.equal(a, b), f"{arch}, {cpu_linear}, {dtype}, step {step}: logits differ"
 
 
-def test_prefills_and_mixed_steps_keep_the_eager_layers(model_dirs: dict[str, Path]) -> None:
-    executor = make_executor(model_dirs["llama"])
-    _, calls = decode_logits(executor, steps=0)  # prefills only
+def mixed_logits(executor: object) -> tuple[list[torch.Tensor], int]:
+    """Steps with prefill chunks: two prompts in one step, then steps of two decode rows beside
+    a third prompt's chunks (the first chunk a whole page and more, the second after it); the
+    logits of every step and how often ``decode_layers`` ran."""
+    pages = ShuffledPages(seed=5)
+    prompts = token_sequences([7, 4, 21], seed=6)
+    tables = [pages.take(len(p) + 3) for p in prompts]
+    outputs = []
+    with counting_fused_calls(executor) as calls:
+        steps = [
+            [SeqChunk(prompts[0], 0, tables[0]), SeqChunk(prompts[1], 0, tables[1])],
+            [
+                SeqChunk([5], len(prompts[0]), tables[0]),
+                SeqChunk([6], len(prompts[1]), tables[1]),
+                SeqChunk(prompts[2][:18], 0, tables[2]),
+            ],
+            [
+                SeqChunk([7], len(prompts[0]) + 1, tables[0]),
+                SeqChunk([8], len(prompts[1]) + 1, tables[1]),
+                SeqChunk(prompts[2][18:], 18, tables[2]),
+            ],
+        ]
+        for chunks in steps:
+            outputs.append(executor.execute(build_model_input(chunks, PAGE_SIZE)))  # type: ignore[attr-defined]
+    return outputs, calls[0]
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize(
+    "cpu_linear", ["panels", pytest.param("tiles", marks=TILES), "onednn", "plain"]
+)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_steps_with_prefill_chunks_equal_the_eager_layers(
+    model_dirs: dict[str, Path], arch: str, cpu_linear: str, dtype: str
+) -> None:
+    # The chunks' attention by the sdpa backend's C++ prefill kernel (on AMX tiles for
+    # bfloat16 where the CPU has them), in the fused call as in the eager layers.
+    fused = make_executor(model_dirs[arch], cpu_linear=cpu_linear, dtype=dtype)
+    eager = make_executor(model_dirs[arch], cpu_linear=cpu_linear, fused_decode=False, dtype=dtype)
+    ours, fused_calls = mixed_logits(fused)
+    theirs, eager_calls = mixed_logits(eager)
+    assert (fused_calls, eager_calls) == (len(ours), 0), "the fused step did not run"
+    for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        assert torch.equal(a, b), f"{arch}, {cpu_linear}, {dtype}, step {step}: logits differ"
+
+
+def test_prefill_chunks_without_the_cpp_prefill_kernel_keep_the_eager_layers(
+    model_dirs: dict[str, Path],
+) -> None:
+    executor = make_executor(model_dirs["llama"], native_prefill=False)
+    _, calls = mixed_logits(executor)
     assert calls == 0
+    _, calls = decode_logits(executor, steps=1)  # its decode step still fused
+    assert calls == 1
