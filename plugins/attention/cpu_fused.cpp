@@ -62,8 +62,13 @@ at::Tensor tile_silu_mul(at::Tensor x, at::Tensor blocks, std::optional<at::Tens
 namespace {
 
 using brigade_cpu::from_float;
+using brigade_cpu::kLanes;
+using brigade_cpu::load_vec;
 using brigade_cpu::round_as;
+using brigade_cpu::round_vec;
+using brigade_cpu::store_vec;
 using brigade_cpu::to_float;
+using brigade_cpu::vecf;
 
 // Rows per task such that a task holds at least ~16K elements (smaller work runs inline).
 inline int64_t grain(int64_t row_elements) {
@@ -198,8 +203,14 @@ at::Tensor rotate(const at::Tensor& x, const T* cos, const T* sin, int64_t half)
         const T* x2 = x1 + half;
         T* o1 = out.data_ptr<T>() + (token * heads + head) * head_dim;
         T* o2 = o1 + half;
-#pragma omp simd
-        for (int64_t e = 0; e < half; ++e) {
+        int64_t e = 0;
+        for (; e + kLanes <= half; e += kLanes) {  // as the tail below, kLanes at a time
+          const vecf a = load_vec(x1 + e), b = load_vec(x2 + e);
+          const vecf ce = load_vec(c + e), se = load_vec(s + e);
+          store_vec(o1 + e, round_vec(a * ce, T{}) - round_vec(b * se, T{}));
+          store_vec(o2 + e, round_vec(b * ce, T{}) + round_vec(a * se, T{}));
+        }
+        for (; e < half; ++e) {
           const float a = to_float(x1[e]), b = to_float(x2[e]);
           const float ce = to_float(c[e]), se = to_float(s[e]);
           o1[e] = from_float<T>(round_as<T>(a * ce) - round_as<T>(b * se));

@@ -54,9 +54,10 @@ def test_silu_mul_equals_silu_of_gate_times_up(ops: object, rows: int) -> None:
 
 
 @pytest.mark.parametrize("rows", ROWS)
-def test_rope_rotates_q_and_k_views_like_apply_rope(ops: object, rows: int) -> None:
+@pytest.mark.parametrize("head_dim", [16, 64, 80])  # vectors, a tail, or both, per half head
+def test_rope_rotates_q_and_k_views_like_apply_rope(ops: object, rows: int, head_dim: int) -> None:
     generator = torch.Generator().manual_seed(5)
-    heads, kv_heads, head_dim = 6, 2, 16
+    heads, kv_heads = 6, 2
     qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=generator)
     q = qkv[:, : heads * head_dim].reshape(rows, heads, head_dim)  # strided views, as in
     k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].reshape(rows, kv_heads, head_dim)
@@ -96,14 +97,17 @@ def test_bfloat16_kernels_round_where_transformers_bfloat16_operations_do(
     _mostly_equal(ops.silu_mul(gate_up), F.silu(gate) * up)  # type: ignore[attr-defined]
 
     generator = torch.Generator().manual_seed(5)
-    qkv = torch.randn(rows, 10 * 16, generator=generator).bfloat16()
-    q, k = qkv[:, :96].reshape(rows, 6, 16), qkv[:, 96:128].reshape(rows, 2, 16)
-    angles = torch.rand(rows, 8, generator=generator) * 50
-    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
-    rotated_q, rotated_k = ops.rope(q, k, cos, sin)  # type: ignore[attr-defined]
-    # Products of two bfloat16 values are exact in float32: the same roundings, bit for bit.
-    assert torch.equal(rotated_q, apply_rope(q, cos, sin))
-    assert torch.equal(rotated_k, apply_rope(k, cos, sin))
+    for head_dim in (16, 80):  # a half head of a tail only, or of vectors and a tail
+        qkv = torch.randn(rows, 10 * head_dim, generator=generator).bfloat16()
+        q = qkv[:, : 6 * head_dim].reshape(rows, 6, head_dim)
+        k = qkv[:, 6 * head_dim : 8 * head_dim].reshape(rows, 2, head_dim)
+        angles = torch.rand(rows, head_dim // 2, generator=generator) * 50
+        cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+        rotated_q, rotated_k = ops.rope(q, k, cos, sin)  # type: ignore[attr-defined]
+        # Products of two bfloat16 values are exact in float32: the same roundings, bit for
+        # bit.
+        assert torch.equal(rotated_q, apply_rope(q, cos, sin))
+        assert torch.equal(rotated_k, apply_rope(k, cos, sin))
 
 
 def test_bad_shapes_are_refused_with_a_message(ops: object) -> None:
