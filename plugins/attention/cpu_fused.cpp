@@ -345,10 +345,18 @@ at::Tensor decode_layers(at::Tensor hidden, at::Tensor cos, at::Tensor sin,
               "decodes");
   const int64_t tokens = hidden.size(0), hidden_size = hidden.size(1);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  // The last MLP's output, added to the residual stream by the next layer's input norm
+  // (add_rms_norm: the sum at::add gives, and the norm of it, in one pass).
+  std::optional<at::Tensor> pending;
   for (int64_t l = 0; l < num_layers; ++l) {
     const at::Tensor* w = weights.data() + 6 * l;
     const auto bias = [&](int64_t i) -> std::optional<at::Tensor> { return biases.get(4 * l + i); };
-    const at::Tensor normed = rms_norm(hidden, w[0], eps);
+    at::Tensor normed;
+    if (pending.has_value()) {
+      std::tie(hidden, normed) = add_rms_norm(hidden, *pending, w[0], eps);
+    } else {
+      normed = rms_norm(hidden, w[0], eps);
+    }
     const at::Tensor qkv = linear(normed, w[1], bias(0), gemm, q_size + 2 * kv_size);
     const at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
     const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim});
@@ -371,9 +379,10 @@ at::Tensor decode_layers(at::Tensor hidden, at::Tensor cos, at::Tensor sin,
         !paired_gate_up  ? silu_mul(linear(post, w[4], bias(2), gemm, 2 * intermediate))
         : gemm == kTiles ? tile_silu_mul(post, w[4], bias(2), intermediate)
                          : panel_silu_mul(post, w[4], bias(2), intermediate);
-    hidden = at::add(summed, linear(activated, w[5], bias(3), gemm, hidden_size));
+    hidden = summed;
+    pending = linear(activated, w[5], bias(3), gemm, hidden_size);
   }
-  return hidden;
+  return pending.has_value() ? at::add(hidden, *pending) : hidden;
 }
 
 }  // namespace
