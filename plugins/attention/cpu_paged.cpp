@@ -54,6 +54,26 @@ int64_t key_splits(int64_t tasks, int64_t longest, int64_t threads) {
   return splits;
 }
 
+// Bounds of `threads` runs of consecutive tasks [runs[t], runs[t + 1]) with about equal
+// work: a task's keys, plus a page's worth for what it does once (its query, its output).
+std::vector<int64_t> balanced_runs(const brigade_cpu::DecodeTasks& tasks, int64_t num_tasks,
+                                   int64_t threads, int64_t page_size) {
+  threads = std::max<int64_t>(1, std::min(threads, num_tasks));
+  std::vector<int64_t> cost(num_tasks + 1, 0);  // cost[i]: the work of tasks [0, i)
+  for (int64_t item = 0; item < num_tasks; ++item) {
+    const auto [first, length] = tasks.range(item);
+    cost[item + 1] = cost[item] + std::max<int64_t>(0, length - first) + page_size;
+  }
+  std::vector<int64_t> runs(threads + 1, num_tasks);
+  runs[0] = 0;
+  for (int64_t t = 1; t < threads; ++t) {
+    const int64_t target = cost[num_tasks] * t / threads;  // the first task past it starts run t
+    runs[t] = std::lower_bound(cost.begin(), cost.end(), target) - cost.begin();
+    runs[t] = std::clamp(runs[t], runs[t - 1], num_tasks);
+  }
+  return runs;
+}
+
 // Each row's decode attention over its keys [first, length) (first: starts[row] when starts is
 // given, else 0 or the sliding window's start), handed over as it is done:
 // emit(row, head, heads, o, lse) gets query heads [head, head + heads) of the row, o [heads,
@@ -88,7 +108,11 @@ void decode_rows(const Query* query, const Cache* key_cache, const Cache* value_
   // The most keys one task reads: a row, or a range of whole pages of the longest row.
   const int64_t pages = (longest + page_size - 1) / page_size;
   const int64_t reach = std::min(longest, ((pages + splits - 1) / splits + 1) * page_size);
-  at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
+  // Each thread takes a run of consecutive tasks (so that its read-ahead walks them in order)
+  // of about an equal share of the keys: rows of mixed lengths in runs of equal counts left a
+  // thread idle ~4% of a 112-row step (13% of a 13-row one) on average.
+  const std::vector<int64_t> runs = balanced_runs(tasks, num_tasks, threads, page_size);
+  const auto run_tasks = [&](int64_t begin, int64_t end) {
     std::vector<float> scores(heads * std::max<int64_t>(reach, 1));
     std::vector<float> widened(widen ? width : 0), o(width), lse(heads);
     brigade_cpu::ReadAhead ahead(reinterpret_cast<const char*>(key_cache),
@@ -128,6 +152,9 @@ void decode_rows(const Query* query, const Cache* key_cache, const Cache* value_
         std::copy(lse.begin(), lse.end(), part + width);
       }
     }
+  };
+  at::parallel_for(0, static_cast<int64_t>(runs.size()) - 1, 1, [&](int64_t first, int64_t last) {
+    for (int64_t run = first; run < last; ++run) run_tasks(runs[run], runs[run + 1]);
   });
   if (splits == 1) return;
   std::vector<float> o(width), lse(heads);

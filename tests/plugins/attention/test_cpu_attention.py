@@ -157,6 +157,24 @@ def test_too_few_tasks_for_the_threads_are_cut_into_key_ranges_and_merged(
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+def test_rows_of_unequal_lengths_are_shared_out_by_keys(kernel: object, threads: int) -> None:
+    # The threads take runs of rows with about equal keys (long rows first: the first thread's
+    # run is a few rows, the last one's many), every row attended to once.
+    lengths = [400, 350, 300] + [5 + 7 * i for i in range(30)] + [0, 1]
+    query, keys, values, tables, seq_lens = _paged_case(
+        lengths, heads=9, kv_heads=3, head_dim=64, page_size=16, seed=threads
+    )
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = kernel(query, keys, values, tables, seq_lens, 0, 0.125)  # type: ignore[operator]
+    finally:
+        torch.set_num_threads(before)
+    expected = _reference(query, keys, values, tables, seq_lens, 0, 0.125)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("head_dim", [64, 36])
 def test_a_bfloat16_query_is_computed_in_float32_and_rounded_once(
     kernel: object, head_dim: int
