@@ -1,4 +1,4 @@
-"""The fused decode step (``decode_layers``: every layer of a pure decode step in one C++ call)
+"""The fused step (``decode_layers``: every decoder layer of a step in one C++ call)
 gives the eager forward's logits bit for bit, on each architecture it covers, with each GEMM
 mode, in float32 and bfloat16, across steps and shuffled pages, for decode steps and steps with
 prefill chunks; other models, and chunks the C++ prefill kernel does not take, keep the eager
