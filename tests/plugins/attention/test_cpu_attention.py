@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,16 @@ def _reference(
     return out
 
 
+def _on_threads(threads: int, call: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """call() with torch's thread count set to ``threads`` (restored after)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return call()
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def kernel() -> object:
     built = paged_decode_kernel()
@@ -110,12 +121,7 @@ def test_rows_fewer_than_twice_the_threads_are_cut_into_key_ranges(
     query, keys, values, tables, seq_lens = _paged_case(
         lengths, heads=9, kv_heads=3, head_dim=64, page_size=16, seed=len(lengths)
     )
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        out = kernel(query, keys, values, tables, seq_lens, 0, 0.125)  # type: ignore[operator]
-    finally:
-        torch.set_num_threads(threads)
+    out = _on_threads(2, lambda: kernel(query, keys, values, tables, seq_lens, 0, 0.125))  # type: ignore[operator]
     expected = _reference(query, keys, values, tables, seq_lens, 0, 0.125)
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
 
@@ -147,12 +153,10 @@ def test_too_few_tasks_for_the_threads_are_cut_into_key_ranges_and_merged(
         lengths, heads=heads, kv_heads=kv_heads, head_dim=head_dim, page_size=16, seed=threads
     )
     keys, values = keys.to(dtype), values.to(dtype)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        out = kernel(query, keys, values, tables, seq_lens, window, 0.125)  # type: ignore[operator]
-    finally:
-        torch.set_num_threads(before)
+    out = _on_threads(
+        threads,
+        lambda: kernel(query, keys, values, tables, seq_lens, window, 0.125),  # type: ignore[operator]
+    )
     expected = _reference(query, keys, values, tables, seq_lens, window, 0.125)
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
 
@@ -165,12 +169,7 @@ def test_rows_of_unequal_lengths_are_shared_out_by_keys(kernel: object, threads:
     query, keys, values, tables, seq_lens = _paged_case(
         lengths, heads=9, kv_heads=3, head_dim=64, page_size=16, seed=threads
     )
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        out = kernel(query, keys, values, tables, seq_lens, 0, 0.125)  # type: ignore[operator]
-    finally:
-        torch.set_num_threads(before)
+    out = _on_threads(threads, lambda: kernel(query, keys, values, tables, seq_lens, 0, 0.125))  # type: ignore[operator]
     expected = _reference(query, keys, values, tables, seq_lens, 0, 0.125)
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -35,6 +36,19 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         arch: create_model(root / arch, arch, overrides={"num_hidden_layers": 2, **extra})
         for arch, extra in MODELS.items()
     }
+
+
+def fused_and_eager(directory: Path, cpu_linear: str, dtype: str) -> tuple[Any, Any]:
+    """Two executors of one model: the fused step on, and off (the eager layers)."""
+    return (
+        make_executor(directory, cpu_linear=cpu_linear, dtype=dtype),
+        make_executor(directory, cpu_linear=cpu_linear, fused_decode=False, dtype=dtype),
+    )
+
+
+def assert_same_logits(ours: list[torch.Tensor], theirs: list[torch.Tensor], case: str) -> None:
+    for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        assert torch.equal(a, b), f"{case}, step {step}: logits differ"
 
 
 @contextlib.contextmanager
@@ -96,15 +110,13 @@ def _decode_logits(executor: object, steps: int) -> list[torch.Tensor]:
 def test_fused_decode_steps_equal_the_eager_layers(
     model_dirs: dict[str, Path], arch: str, cpu_linear: str, dtype: str
 ) -> None:
-    fused = make_executor(model_dirs[arch], cpu_linear=cpu_linear, dtype=dtype)
-    eager = make_executor(model_dirs[arch], cpu_linear=cpu_linear, fused_decode=False, dtype=dtype)
+    fused, eager = fused_and_eager(model_dirs[arch], cpu_linear, dtype)
     ours, fused_calls = decode_logits(fused)
     theirs, eager_calls = decode_logits(eager)
     assert eager_calls == 0
     # the three prefills and every decode step
     assert fused_calls == (0 if arch == "qwen3" else 3 + len(ours)), "the fused step did not run"
-    for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
-        assert torch.equal(a, b), f"{arch}, {cpu_linear}, {dtype}, step {step}: logits differ"
+    assert_same_logits(ours, theirs, f"{arch}, {cpu_linear}, {dtype}")
 
 
 def mixed_logits(executor: object) -> tuple[list[torch.Tensor], int]:
@@ -144,13 +156,11 @@ def test_fused_steps_with_prefill_chunks_equal_the_eager_layers(
 ) -> None:
     # The chunks' attention by the sdpa backend's C++ prefill kernel (on AMX tiles for
     # bfloat16 where the CPU has them), in the fused call as in the eager layers.
-    fused = make_executor(model_dirs[arch], cpu_linear=cpu_linear, dtype=dtype)
-    eager = make_executor(model_dirs[arch], cpu_linear=cpu_linear, fused_decode=False, dtype=dtype)
+    fused, eager = fused_and_eager(model_dirs[arch], cpu_linear, dtype)
     ours, fused_calls = mixed_logits(fused)
     theirs, eager_calls = mixed_logits(eager)
     assert (fused_calls, eager_calls) == (len(ours), 0), "the fused step did not run"
-    for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
-        assert torch.equal(a, b), f"{arch}, {cpu_linear}, {dtype}, step {step}: logits differ"
+    assert_same_logits(ours, theirs, f"{arch}, {cpu_linear}, {dtype}")
 
 
 def test_prefill_chunks_without_the_cpp_prefill_kernel_keep_the_eager_layers(
