@@ -7,9 +7,9 @@ attention kernel, the fused small operations); a mixed step of 2048 tokens spent
 the same order, so its result is identical to the eager forward's (tested bit for bit): decode
 steps, and steps with prefill chunks where the sdpa backend would run its C++ prefill kernel
 (``native_prefill``). The eager forward remains the path for other attention backends, dtypes
-and devices, prefills without the C++ kernel, and models with qk norm (Qwen3). The linear layers are
-called as the eager forward calls them: the panel or tile GEMM or oneDNN on the weight of a
-``CpuLinear``, F.linear for a plain ``nn.Linear``.
+and devices, prefills without the C++ kernel, and models with qk norm (Qwen3). The linear
+layers are called as the eager forward calls them: the panel or tile GEMM or oneDNN on the
+weight of a ``CpuLinear``, F.linear for a plain ``nn.Linear``.
 """
 
 from __future__ import annotations
