@@ -277,22 +277,9 @@ void prefill(const at::Tensor& query, const at::Tensor& key_cache, const at::Ten
 at::Tensor paged_prefill(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
                          at::Tensor block_tables, at::Tensor chunks, int64_t window,
                          double scale) {
-  TORCH_CHECK(query.dim() == 3 && query.is_contiguous() &&
-                  (query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16),
-              "query must be a contiguous float32 or bfloat16 [tokens, heads, head_dim] tensor");
-  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous() &&
-                  key_cache.sizes() == value_cache.sizes() &&
-                  key_cache.scalar_type() == value_cache.scalar_type() &&
-                  (key_cache.scalar_type() == at::kFloat ||
-                   key_cache.scalar_type() == at::kBFloat16),
-              "key_cache and value_cache must be contiguous float32 or bfloat16 [pages, "
-              "page_size, kv_heads, head_dim] tensors of one dtype");
+  brigade_cpu::check_prefill_inputs("paged_prefill", query, key_cache, value_cache, false, kDims);
   const int64_t num_heads = query.size(1), head_dim = query.size(2);
   const int64_t page_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
-  TORCH_CHECK(key_cache.size(3) == head_dim && num_heads % num_kv_heads == 0,
-              "query and cache head sizes disagree");
-  TORCH_CHECK(head_dim % kDims == 0, "paged_prefill: head_dim ", head_dim,
-              " is not a multiple of ", kDims);
   const Geometry geo{num_heads,    num_heads / num_kv_heads,     head_dim, page_size,
                      page_size * num_kv_heads * head_dim, num_kv_heads * head_dim, window,
                      static_cast<float>(scale)};

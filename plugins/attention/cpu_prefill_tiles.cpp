@@ -297,20 +297,10 @@ at::Tensor paged_prefill_tiles(at::Tensor query, at::Tensor key_cache, at::Tenso
   RECORD_FUNCTION("brigade_cpu::paged_prefill_tiles", std::vector<c10::IValue>());
   TORCH_CHECK(at::native::cpublas::could_pack(at::kBFloat16),
               "paged_prefill_tiles: this CPU has no AMX tiles for bfloat16");
-  TORCH_CHECK(query.dim() == 3 && query.is_contiguous() && query.scalar_type() == at::kBFloat16,
-              "query must be a contiguous bfloat16 [tokens, heads, head_dim] tensor");
-  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous() &&
-                  key_cache.sizes() == value_cache.sizes() &&
-                  key_cache.scalar_type() == at::kBFloat16 &&
-                  value_cache.scalar_type() == at::kBFloat16,
-              "key_cache and value_cache must be contiguous bfloat16 [pages, page_size, "
-              "kv_heads, head_dim] tensors");
+  brigade_cpu::check_prefill_inputs("paged_prefill_tiles", query, key_cache, value_cache, true,
+                                    kLanes);
   const int64_t num_heads = query.size(1), head_dim = query.size(2);
   const int64_t page_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
-  TORCH_CHECK(key_cache.size(3) == head_dim && num_heads % num_kv_heads == 0,
-              "query and cache head sizes disagree");
-  TORCH_CHECK(head_dim % kLanes == 0, "paged_prefill_tiles: head_dim ", head_dim,
-              " is not a multiple of ", kLanes);
   const Geometry geo{num_heads, num_heads / num_kv_heads, head_dim, page_size,
                      num_kv_heads, window, static_cast<float>(scale)};
   int64_t out_first = 0, out_end = 0;

@@ -27,6 +27,31 @@ void run_tasks(int64_t num_tasks, const MakeScratch& make_scratch, const Body& b
   });
 }
 
+// The input checks both prefill kernels make: query [tokens, heads, head_dim] and the caches
+// [pages, page_size, kv_heads, head_dim], contiguous, bfloat16 (bfloat16_only) or float32 or
+// bfloat16 (the caches of one dtype), heads a multiple of the KV heads, and head_dim a multiple
+// of `multiple` (what `kernel`'s loops take).
+inline void check_prefill_inputs(const char* kernel, const at::Tensor& query,
+                                 const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                 bool bfloat16_only, int64_t multiple) {
+  const auto allowed = [&](const at::Tensor& t) {
+    return t.scalar_type() == at::kBFloat16 || (!bfloat16_only && t.scalar_type() == at::kFloat);
+  };
+  const char* dtypes = bfloat16_only ? "bfloat16" : "float32 or bfloat16";
+  TORCH_CHECK(query.dim() == 3 && query.is_contiguous() && allowed(query), "query must be a ",
+              "contiguous ", dtypes, " [tokens, heads, head_dim] tensor");
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous() &&
+                  key_cache.sizes() == value_cache.sizes() &&
+                  key_cache.scalar_type() == value_cache.scalar_type() && allowed(key_cache),
+              "key_cache and value_cache must be contiguous ", dtypes,
+              " [pages, page_size, kv_heads, head_dim] tensors of one dtype");
+  const int64_t head_dim = query.size(2);
+  TORCH_CHECK(key_cache.size(3) == head_dim && query.size(1) % key_cache.size(2) == 0,
+              "query and cache head sizes disagree");
+  TORCH_CHECK(head_dim % multiple == 0, kernel, ": head_dim ", head_dim,
+              " is not a multiple of ", multiple);
+}
+
 // A prefill task: query tokens [token, token + count) of chunk `chunk` (of block table row
 // `row`), at positions [position, position + count), for KV head kv_head.
 struct PrefillTask {
