@@ -31,6 +31,7 @@ def make_executor(
     fused: bool = True,
     fused_decode: bool = True,
     dtype: str = "float32",
+    kv_cache_dtype: str = "auto",
     kv_prefault: bool = True,
 ) -> TorchExecutor:
     params = ExecutorParams(
@@ -43,7 +44,7 @@ def make_executor(
             )
         ),
         page_size=PAGE_SIZE,
-        kv_cache_dtype="auto",
+        kv_cache_dtype=kv_cache_dtype,
         max_model_len=0,
         checkpoint=open_checkpoint(str(directory)),
     )

@@ -186,37 +186,47 @@ at::Tensor silu_mul(at::Tensor gate_up) {
   return out;
 }
 
-// x [tokens, heads, head_dim] (strided tokens, contiguous heads) -> rotated, contiguous.
+// One token's heads rotated: x [heads, head_dim] (contiguous heads) -> out, as contiguous.
 template <typename T>
-at::Tensor rotate(const at::Tensor& x, const T* cos, const T* sin, int64_t half) {
+inline void rotate_token(const T* x, const T* c, const T* s, int64_t heads, int64_t half,
+                         T* out) {
+  for (int64_t head = 0; head < heads; ++head) {
+    const T* x1 = x + head * 2 * half;
+    const T* x2 = x1 + half;
+    T* o1 = out + head * 2 * half;
+    T* o2 = o1 + half;
+    int64_t e = 0;
+    for (; e + kLanes <= half; e += kLanes) {  // as the tail below, kLanes at a time
+      const vecf a = load_vec(x1 + e), b = load_vec(x2 + e);
+      const vecf ce = load_vec(c + e), se = load_vec(s + e);
+      store_vec(o1 + e, round_vec(a * ce, T{}) - round_vec(b * se, T{}));
+      store_vec(o2 + e, round_vec(b * ce, T{}) + round_vec(a * se, T{}));
+    }
+    for (; e < half; ++e) {
+      const float a = to_float(x1[e]), b = to_float(x2[e]);
+      const float ce = to_float(c[e]), se = to_float(s[e]);
+      o1[e] = from_float<T>(round_as<T>(a * ce) - round_as<T>(b * se));
+      o2[e] = from_float<T>(round_as<T>(b * ce) + round_as<T>(a * se));
+    }
+  }
+}
+
+void check_heads(const at::Tensor& x, int64_t half) {
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2) &&
                   x.size(2) == 2 * half,
               "q and k must be [tokens, heads, head_dim] with contiguous heads");
+}
+
+// x [tokens, heads, head_dim] (strided tokens, contiguous heads) -> rotated, contiguous.
+template <typename T>
+at::Tensor rotate(const at::Tensor& x, const T* cos, const T* sin, int64_t half) {
+  check_heads(x, half);
   const int64_t tokens = x.size(0), heads = x.size(1), head_dim = x.size(2);
   auto out = at::empty({tokens, heads, head_dim}, x.options());
   at::parallel_for(0, tokens, grain(heads * head_dim), [&](int64_t begin, int64_t end) {
     for (int64_t token = begin; token < end; ++token) {
-      const T* c = cos + token * half;
-      const T* s = sin + token * half;
-      for (int64_t head = 0; head < heads; ++head) {
-        const T* x1 = x.data_ptr<T>() + token * x.stride(0) + head * head_dim;
-        const T* x2 = x1 + half;
-        T* o1 = out.data_ptr<T>() + (token * heads + head) * head_dim;
-        T* o2 = o1 + half;
-        int64_t e = 0;
-        for (; e + kLanes <= half; e += kLanes) {  // as the tail below, kLanes at a time
-          const vecf a = load_vec(x1 + e), b = load_vec(x2 + e);
-          const vecf ce = load_vec(c + e), se = load_vec(s + e);
-          store_vec(o1 + e, round_vec(a * ce, T{}) - round_vec(b * se, T{}));
-          store_vec(o2 + e, round_vec(b * ce, T{}) + round_vec(a * se, T{}));
-        }
-        for (; e < half; ++e) {
-          const float a = to_float(x1[e]), b = to_float(x2[e]);
-          const float ce = to_float(c[e]), se = to_float(s[e]);
-          o1[e] = from_float<T>(round_as<T>(a * ce) - round_as<T>(b * se));
-          o2[e] = from_float<T>(round_as<T>(b * ce) + round_as<T>(a * se));
-        }
-      }
+      rotate_token(x.data_ptr<T>() + token * x.stride(0), cos + token * half, sin + token * half,
+                   heads, half, out.data_ptr<T>() + token * heads * head_dim);
     }
   });
   return out;
@@ -245,6 +255,49 @@ std::tuple<at::Tensor, at::Tensor> rope(at::Tensor q, at::Tensor k, at::Tensor c
     out = {rotate(q, c, s, half), rotate(k, c, s, half)};
   });
   return out;
+}
+
+// A layer's RoPE and KV write in one pass (what rope and two index_copy_ calls do): q
+// [tokens, heads, head_dim] -> rotated, contiguous; k rotated and v copied as they are into
+// rows slot_mapping[token] of key_cache and value_cache (as [slots, kv_heads, head_dim]).
+// Every tensor of one dtype; slot_mapping int64, one in-range slot per token.
+at::Tensor rope_into_cache(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           const at::Tensor& cos, const at::Tensor& sin, at::Tensor& key_cache,
+                           at::Tensor& value_cache, const at::Tensor& slot_mapping) {
+  const int64_t half = cos.size(1);
+  check_heads(k, half);
+  check_heads(v, half);
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() &&
+                  key_cache.sizes() == value_cache.sizes(),
+              "key_cache and value_cache must be contiguous and of one shape");
+  const int64_t tokens = k.size(0), kv_size = k.size(1) * k.size(2);
+  const int64_t slots = key_cache.numel() / kv_size;
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                  slot_mapping.numel() == tokens,
+              "slot_mapping must be a contiguous int64 vector of one slot per token");
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  for (int64_t token = 0; token < tokens; ++token) {
+    TORCH_CHECK(slot[token] >= 0 && slot[token] < slots, "slot_mapping[", token, "] = ",
+                slot[token], " is outside the cache's ", slots, " slots");
+  }
+  at::Tensor q_rot;
+  with_scalar(q.scalar_type(), "q", [&](auto type) {
+    using T = decltype(type);
+    const T* c = cos.data_ptr<T>();
+    const T* s = sin.data_ptr<T>();
+    q_rot = rotate(q, c, s, half);
+    T* keys = key_cache.data_ptr<T>();
+    T* values = value_cache.data_ptr<T>();
+    at::parallel_for(0, tokens, grain(2 * kv_size), [&](int64_t begin, int64_t end) {
+      for (int64_t token = begin; token < end; ++token) {
+        rotate_token(k.data_ptr<T>() + token * k.stride(0), c + token * half, s + token * half,
+                     k.size(1), half, keys + slot[token] * kv_size);
+        std::memcpy(values + slot[token] * kv_size, v.data_ptr<T>() + token * v.stride(0),
+                    kv_size * sizeof(T));
+      }
+    });
+  });
+  return q_rot;
 }
 
 // How decode_layers runs the model's linear layers (``CpuDecodeLayers`` passes it).
@@ -304,10 +357,11 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& key_cache, const at::Te
   return out;
 }
 
-// Every decoder layer of a step in one call: the same kernels in the same order as the eager
+// Every decoder layer of a step in one call: the same arithmetic in the same order as the eager
 // forward (input RMSNorm, qkv, RoPE, KV write, paged attention, o_proj, residual +
 // post-attention RMSNorm, gate_up, SiLU-mul, down, residual), so the result is identical to
-// it; what it saves is Python and ~40 operator dispatches per layer. A pure decode step (each
+// it; what it saves is Python and ~40 operator dispatches per layer (RoPE and the KV write in
+// one pass, rope_into_cache, where the cache has the model's dtype). A pure decode step (each
 // row one new token) has prefill = kNoChunks; a step with prefill chunks (after its
 // num_decodes decode rows) names the prefill kernel the sdpa backend would run for them.
 // Per layer l: weights[6l .. 6l+5] = input norm, qkv, o, post-attention norm, gate_up, down;
@@ -362,13 +416,20 @@ at::Tensor decode_layers(at::Tensor hidden, at::Tensor cos, at::Tensor sin,
     const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim});
     const at::Tensor v =
         qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
-    auto [q_rot, k_rot] = rope(q, k, cos, sin);
     at::Tensor& key_cache = key_caches[l];
     at::Tensor& value_cache = value_caches[l];
-    key_cache.view({-1, num_kv_heads, head_dim})
-        .index_copy_(0, slot_mapping, k_rot.to(key_cache.scalar_type()));
-    value_cache.view({-1, num_kv_heads, head_dim})
-        .index_copy_(0, slot_mapping, v.to(value_cache.scalar_type()));
+    at::Tensor q_rot;
+    if (key_cache.scalar_type() == q.scalar_type() && key_cache.is_contiguous() &&
+        value_cache.is_contiguous()) {
+      q_rot = rope_into_cache(q, k, v, cos, sin, key_cache, value_cache, slot_mapping);
+    } else {  // a cache of another dtype (or layout): as the eager forward writes it
+      at::Tensor k_rot;
+      std::tie(q_rot, k_rot) = rope(q, k, cos, sin);
+      key_cache.view({-1, num_kv_heads, head_dim})
+          .index_copy_(0, slot_mapping, k_rot.to(key_cache.scalar_type()));
+      value_cache.view({-1, num_kv_heads, head_dim})
+          .index_copy_(0, slot_mapping, v.to(value_cache.scalar_type()));
+    }
     const at::Tensor attention =
         attend(q_rot, key_cache, value_cache, block_tables, seq_lens, windows[l], scale,
                cascade, num_decodes, prefill_chunks, prefill);

@@ -38,12 +38,21 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
-def fused_and_eager(directory: Path, cpu_linear: str, dtype: str) -> tuple[Any, Any]:
+def fused_and_eager(
+    directory: Path, cpu_linear: str, dtype: str, kv_cache_dtype: str = "auto"
+) -> tuple[Any, Any]:
     """Two executors of one model: the fused step on, and off (the eager layers)."""
-    return (
-        make_executor(directory, cpu_linear=cpu_linear, dtype=dtype),
-        make_executor(directory, cpu_linear=cpu_linear, fused_decode=False, dtype=dtype),
-    )
+
+    def build(fused: bool) -> Any:
+        return make_executor(
+            directory,
+            cpu_linear=cpu_linear,
+            fused_decode=fused,
+            dtype=dtype,
+            kv_cache_dtype=kv_cache_dtype,
+        )
+
+    return build(True), build(False)
 
 
 def assert_same_logits(ours: list[torch.Tensor], theirs: list[torch.Tensor], case: str) -> None:
@@ -161,6 +170,22 @@ def test_fused_steps_with_prefill_chunks_equal_the_eager_layers(
     theirs, eager_calls = mixed_logits(eager)
     assert (fused_calls, eager_calls) == (len(ours), 0), "the fused step did not run"
     assert_same_logits(ours, theirs, f"{arch}, {cpu_linear}, {dtype}")
+
+
+@pytest.mark.parametrize(
+    ("dtype", "cache_dtype"), [("float32", "bfloat16"), ("bfloat16", "float32")]
+)
+def test_fused_steps_on_a_cache_of_another_dtype_equal_the_eager_layers(
+    model_dirs: dict[str, Path], dtype: str, cache_dtype: str
+) -> None:
+    # The layer's new keys and values are converted to the cache's dtype as the eager
+    # forward converts them (the fused RoPE-and-write covers a cache of the model's dtype).
+    fused, eager = fused_and_eager(model_dirs["llama"], "panels", dtype, cache_dtype)
+    assert fused.kv_caches[0][0].dtype == getattr(torch, cache_dtype)
+    ours, fused_calls = decode_logits(fused)
+    theirs, _ = decode_logits(eager)
+    assert fused_calls == 3 + len(ours), "the fused step did not run"
+    assert_same_logits(ours, theirs, f"{dtype} on a {cache_dtype} cache")
 
 
 def test_prefill_chunks_without_the_cpp_prefill_kernel_keep_the_eager_layers(
