@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 from brigade.admission import Admission
-from brigade.config import EngineConfig, load_config
+from brigade.config import OFFLINE_DEFAULTS, EngineConfig, load_config
 from brigade.engine import EngineCore
 from brigade.errors import RequestError, RequestFailedError
 from brigade.interfaces import (
@@ -49,6 +49,8 @@ class LLM:
     """Generate offline with continuous batching, chunked prefill and prefix caching.
 
     ``config`` is a TOML path, an ``EngineConfig`` or None (defaults: the built-in model).
+    Where a path's file, the environment and ``overrides`` leave them unset, a step takes up to
+    256 requests and 4096 tokens (:data:`OFFLINE_DEFAULTS`; the server's are 128 and 2048).
     """
 
     def __init__(
@@ -60,7 +62,9 @@ class LLM:
     ) -> None:
         self.registry = registry or default_registry()
         if not isinstance(config, EngineConfig):
-            config = load_config(config, self.registry, overrides=overrides)
+            config = load_config(
+                config, self.registry, overrides=overrides, defaults=OFFLINE_DEFAULTS
+            )
         self.config = config
         self.engine = EngineCore(config, self.registry)
         self.tokenizer = require_tokenizer(self.engine.checkpoint)

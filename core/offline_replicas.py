@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
-from brigade.config import load_config
+from brigade.config import OFFLINE_DEFAULTS, load_config
 from brigade.interfaces import ReplicaLoad, RouterParams, SamplingParams
 from brigade.output import RequestOutput
 from brigade.ray_actors import replicas_on_ray, require_ray, spread_actors
@@ -88,7 +88,7 @@ def generate_on_replicas(
     (local processes) or ``ray`` (Ray actors in a placement group, on the cluster
     ``RAY_ADDRESS`` names, else a local one)."""
     registry = default_registry()
-    config = load_config(config_path, registry, overrides=overrides)
+    config = load_config(config_path, registry, overrides=overrides, defaults=OFFLINE_DEFAULTS)
     num_replicas = config["router"].settings.data_parallel_size
     placed = place_prompts(config, registry, prompts, num_replicas)
     threads = _threads_per_replica(config, num_replicas)

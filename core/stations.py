@@ -67,9 +67,14 @@ class KVSettings:
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerSettings:
-    max_num_seqs: int = option(128, help="most requests in one step", ge=1)
+    max_num_seqs: int = option(
+        128, help="most requests in one step (the offline LLM API: 256 unless set)", ge=1
+    )
     max_num_batched_tokens: int = option(
-        2048, help="token budget of one step, shared by prefill chunks and decodes", ge=1
+        2048,
+        help="token budget of one step, shared by prefill chunks and decodes (the offline LLM "
+        "API: 4096 unless set)",
+        ge=1,
     )
     enable_chunked_prefill: bool = option(
         True, help="split long prompts across steps so decodes keep running"

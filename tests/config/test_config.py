@@ -117,6 +117,25 @@ def test_overrides_precedence_file_env_flag(tmp_path: Path, registry: Registry) 
         load_config(None, registry, environ={"BRIGADE_KVV__PAGE_SIZE": "3"})
 
 
+def test_given_defaults_yield_to_the_file_env_and_flags(tmp_path: Path, registry: Registry) -> None:
+    budget = {"scheduler": {"max_num_seqs": 256, "max_num_batched_tokens": 4096}}
+    config = load_config(None, registry, environ={}, defaults=budget)
+    settings = config["scheduler"].settings
+    assert (settings.max_num_seqs, settings.max_num_batched_tokens) == (256, 4096)
+    assert config.plugin("scheduler") == "fcfs"  # defaults for settings name no plugin
+    path = write(tmp_path, "[scheduler]\nmax_num_seqs = 8\n")
+    env = {"BRIGADE_SCHEDULER__MAX_NUM_BATCHED_TOKENS": "512"}
+    settings = load_config(path, registry, environ=env, defaults=budget)["scheduler"].settings
+    assert (settings.max_num_seqs, settings.max_num_batched_tokens) == (8, 512)
+    flags = ["scheduler.max_num_batched_tokens=1024"]
+    config = load_config(None, registry, environ={}, overrides=flags, defaults=budget)
+    assert config["scheduler"].settings.max_num_batched_tokens == 1024
+    assert config["scheduler"].settings.max_num_seqs == 256
+    # without them, the options' own
+    settings = load_config(None, registry, environ={})["scheduler"].settings
+    assert (settings.max_num_seqs, settings.max_num_batched_tokens) == (128, 2048)
+
+
 @dataclasses.dataclass(frozen=True)
 class WideOptions:
     block: int = option(256, help="kernel block", ge=1)

@@ -84,6 +84,10 @@ def test_a_pool_too_small_for_the_batch_still_finishes_everything(model_dirs: di
 
 def test_offline_api_text_prompts_stop_strings_and_seeds(model_dirs: dict) -> None:
     llm = make_llm(model_dirs["llama"])
+    # the offline step budget (the server's is 128 requests, 2048 tokens), unless set
+    params = llm.engine.scheduler.params
+    assert (params.max_num_seqs, params.max_num_batched_tokens) == (256, 4096)
+    assert len(llm.engine.batch.temperature) == 256
     greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     [full] = llm.generate("Once upon a time", greedy)
     text = full.outputs[0].text
