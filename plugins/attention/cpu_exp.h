@@ -1,4 +1,5 @@
-// exp for Brigade's CPU kernels (cpu_paged.cpp's softmax, cpu_fused.cpp's SiLU), vectorizable.
+// exp for Brigade's CPU kernels (cpu_paged.cpp's softmax, cpu_layer_ops.cpp's SiLU),
+// vectorizable.
 #pragma once
 
 #include <algorithm>

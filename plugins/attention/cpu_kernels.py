@@ -1,9 +1,10 @@
 """Brigade's C++ kernels for CPUs, built on first use and cached: decode attention over the
 paged KV cache (``cpu_paged.cpp``, its per-row kernels in ``cpu_rows.h``; rows sharing a prefix
 read it once, ``cpu_cascade.cpp``), prefill attention (``cpu_prefill.cpp``; in bfloat16 on AMX
-tiles ``cpu_prefill_tiles.cpp``) and a decoder layer's small fused operations
-(``cpu_fused.cpp``: RMSNorm with and without the residual add, SiLU-mul, RoPE), the executor's
-panel GEMM (``executors/cpu_gemm.cpp``), its bfloat16 GEMM on AMX tiles
+tiles ``cpu_prefill_tiles.cpp``), a decoder layer's small fused operations
+(``cpu_layer_ops.cpp``: RMSNorm with and without the residual add, SiLU-mul, RoPE) and every
+layer of a step in one call (``cpu_fused.cpp``), the executor's panel GEMM
+(``executors/cpu_gemm.cpp``), its bfloat16 GEMM on AMX tiles
 (``executors/cpu_tiles.cpp``) and the standard sampler's draw (``samplers/cpu_sample.cpp``),
 all in ``torch.ops.brigade_cpu``.
 
@@ -52,6 +53,7 @@ _SOURCES = (
             "cpu_cascade.cpp",
             "cpu_prefill.cpp",
             "cpu_prefill_tiles.cpp",
+            "cpu_layer_ops.cpp",
             "cpu_fused.cpp",
         )
     ),
@@ -64,6 +66,7 @@ _HEADERS = tuple(
     for name in (
         "cpu_cascade.h",
         "cpu_exp.h",
+        "cpu_layer_ops.h",
         "cpu_rows.h",
         "cpu_scalar.h",
         "cpu_tasks.h",

@@ -158,7 +158,7 @@ inline vecf exp_vec(vecf x) {
 
 // silu(gate) * up as torch computes it in T: silu = gate / (1 + exp(-gate)) rounded to T, times
 // up (gate and up already T's values); the caller's store rounds the product. silu_mul
-// (cpu_fused.cpp) and the GEMMs that store it from their sums (cpu_gemm.cpp, cpu_tiles.cpp)
+// (cpu_layer_ops.cpp) and the GEMMs that store it from their sums (cpu_gemm.cpp, cpu_tiles.cpp)
 // all take it from here, so that their results agree bit for bit.
 template <typename T>
 inline vecf silu_times(vecf gate, vecf up) {

@@ -141,7 +141,7 @@ void store_panel(const Gemm<T>& g, int64_t row, int64_t panel, const Sums& sums)
 
 // Paired panels (panel, panel + 1): rows [row, row + R) of silu(gate) * up, each half's sums
 // (gate(r), up(r)) plus its bias rounded to T first, as panel_linear's output would be before
-// silu_mul (cpu_fused.cpp) reads it, and silu rounded as silu_mul rounds it: the same results.
+// silu_mul (cpu_layer_ops.cpp) reads it, and silu rounded as silu_mul rounds it: the same results.
 template <int R, typename T, typename Gate, typename Up>
 void store_pair(const Gemm<T>& g, int64_t row, int64_t panel, const Gate& gate, const Up& up) {
   const int64_t column = panel / 2 * kLanes;

@@ -1,4 +1,4 @@
-"""The fused CPU kernels of a decoder layer's small operations (``cpu_fused.cpp``) against the
+"""The fused CPU kernels of a decoder layer's small operations (``cpu_layer_ops.cpp``) against the
 torch operations transformers uses, on contiguous and strided rows, one row and many (the
 parallel path), in float32 and bfloat16, and the decoder with them on and off."""
 
