@@ -265,18 +265,24 @@ at::Tensor rope_into_cache(const at::Tensor& q, const at::Tensor& k, const at::T
     TORCH_CHECK(slot[token] >= 0 && slot[token] < slots, "slot_mapping[", token, "] = ",
                 slot[token], " is outside the cache's ", slots, " slots");
   }
-  at::Tensor q_rot;
+  check_heads(q, half);
+  const int64_t q_size = q.size(1) * q.size(2);
+  auto q_rot = at::empty(q.sizes(), q.options());
   with_scalar(q.scalar_type(), "q", [&](auto type) {
     using T = decltype(type);
     const T* c = cos.data_ptr<T>();
     const T* s = sin.data_ptr<T>();
-    q_rot = rotate(q, c, s, half);
     T* keys = key_cache.data_ptr<T>();
     T* values = value_cache.data_ptr<T>();
-    at::parallel_for(0, tokens, grain(2 * kv_size), [&](int64_t begin, int64_t end) {
+    // Each token's q, k and v in one pass (one fork/join of the thread pool a layer).
+    at::parallel_for(0, tokens, grain(q_size + 2 * kv_size), [&](int64_t begin, int64_t end) {
       for (int64_t token = begin; token < end; ++token) {
-        rotate_token(k.data_ptr<T>() + token * k.stride(0), c + token * half, s + token * half,
-                     k.size(1), half, keys + slot[token] * kv_size);
+        const T* ct = c + token * half;
+        const T* st = s + token * half;
+        rotate_token(q.data_ptr<T>() + token * q.stride(0), ct, st, q.size(1), half,
+                     q_rot.data_ptr<T>() + token * q_size);
+        rotate_token(k.data_ptr<T>() + token * k.stride(0), ct, st, k.size(1), half,
+                     keys + slot[token] * kv_size);
         std::memcpy(values + slot[token] * kv_size, v.data_ptr<T>() + token * v.stride(0),
                     kv_size * sizeof(T));
       }
