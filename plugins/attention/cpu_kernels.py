@@ -59,19 +59,23 @@ _SOURCES = (
     ),
     Path(__file__).parent.parent / "executors" / "cpu_gemm.cpp",  # the panel GEMM
     Path(__file__).parent.parent / "executors" / "cpu_tiles.cpp",  # the AMX tile GEMM
+    Path(__file__).parent.parent / "executors" / "cpu_tile_loop.cpp",  # its loop over the tiles
     Path(__file__).parent.parent / "samplers" / "cpu_sample.cpp",  # the sampler's draw
 )
-_HEADERS = tuple(
-    Path(__file__).with_name(name)
-    for name in (
-        "cpu_cascade.h",
-        "cpu_exp.h",
-        "cpu_layer_ops.h",
-        "cpu_rows.h",
-        "cpu_scalar.h",
-        "cpu_tasks.h",
-        "cpu_vec.h",
-    )
+_HEADERS = (
+    *(
+        Path(__file__).with_name(name)
+        for name in (
+            "cpu_cascade.h",
+            "cpu_exp.h",
+            "cpu_layer_ops.h",
+            "cpu_rows.h",
+            "cpu_scalar.h",
+            "cpu_tasks.h",
+            "cpu_vec.h",
+        )
+    ),
+    Path(__file__).parent.parent / "executors" / "cpu_tiles.h",  # the tile GEMM's two sources
 )
 _CFLAGS = [
     "-O3",

@@ -1,23 +1,22 @@
 // Brigade's bfloat16 GEMM on AMX tiles for a model's linear layers: y = x W^T (+ bias), on a
-// weight packed once at load, through oneDNN's batch-reduce GEMM micro-kernel as torch exports
-// it (at::native::cpublas::brgemm: AMX tile loads and TDPBF16PS, float32 sums).
+// weight packed once at load; float32 sums of the bfloat16 products, rounded once.
 //
 // Layout: the weight's output columns in blocks of kWidth (two 16-column AMX tiles), each
-// block stored as the micro-kernel reads it (cpublas::pack: k pairs interleaved, "VNNI"),
-// [blocks, K * kWidth], the last block zero-padded. Per call the threads split the blocks,
-// each its contiguous share, and every block is one micro-kernel call over all of K for up to
-// kBlockRows rows of x into a float32 buffer, which the epilogue adds the bias to and rounds
-// into the output. So each weight byte is read once per call (per row block), in the order
-// it lies in memory. Against oneDNN's own matmul (torch.ops.mkldnn._linear_pointwise, on its
-// packed weights), on SmolLM2's layers with 30 layers' weights cold (an Intel Xeon with AMX,
-// 2 threads, docs/benchmarks.md): 1.3-1.6x as fast at 1-16 rows, ~1.1x at 64-112, level at
-// 512, ~0.75x at 2048, where oneDNN's kernels (stores fused in the tile loop) keep ahead.
+// block stored as oneDNN's batch-reduce micro-kernel reads it (cpublas::pack: k pairs
+// interleaved, "VNNI"), [blocks, K * kWidth], the last block zero-padded. Per call the threads
+// split the blocks, each its contiguous share (above kBlockRows rows they split the rows, and
+// each takes every block), so each weight byte is read once per call per row block, in the
+// order it lies in memory. The products run in Brigade's own loop over the tiles
+// (cpu_tile_loop.cpp: the next block's weights fetched while the tiles work), or, in builds
+// that do not target AMX or for K not a multiple of 32, in the micro-kernel as torch exports
+// it (at::native::cpublas::brgemm), a block at a time over all of K for up to kBlockRows rows.
+// Either way a block's float32 sums go through store_block, which adds the bias and rounds.
 //
 // A gate_up projection may be packed in pairs (a block of kWidth gate columns, then the same
 // up columns, one call of 2 * kWidth columns): tile_silu_mul then stores silu(gate) * up as
-// each block finishes, rounded as silu_mul (cpu_fused.cpp) rounds the projection's output, so
-// it equals silu_mul(tile_linear(...)) without writing the projection's output and reading it
-// back.
+// each block finishes, rounded as silu_mul (cpu_layer_ops.cpp) rounds the projection's output,
+// so it equals silu_mul(tile_linear(...)) without writing the projection's output and reading
+// it back.
 //
 // Only where cpublas packs bfloat16 for its micro-kernel (could_pack: a CPU with AMX);
 // tiles_usable says so, and Python keeps the other GEMMs elsewhere.
@@ -31,28 +30,21 @@
 #include <torch/library.h>
 
 #include "../attention/cpu_vec.h"
+#include "cpu_tiles.h"
 
 #include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <vector>
 
-namespace {
+namespace brigade_tiles {
 
 using brigade_cpu::kLanes;
 using brigade_cpu::load_vec;
 using brigade_cpu::round_vec;
 using brigade_cpu::store_vec;
 using brigade_cpu::vecf;
-using BFloat16 = c10::BFloat16;
-
-// Output columns per block: two AMX tiles of 16 float32 columns.
-constexpr int64_t kWidth = 32;
 static_assert(kWidth % kLanes == 0, "a block holds whole vectors");
-// Rows per micro-kernel call, and per pass of a thread over its blocks (larger inputs are taken
-// kBlockRows rows at a time, so that those x rows stay in L2 while the blocks pass). On
-// SmolLM2's layers 512 was level with 256 and 1024 and faster than 32-128.
-constexpr int64_t kBlockRows = 512;
 
 // The weight row holding column j of block b (paired: gate columns b * kWidth.., then the
 // same up columns), or -1 (padding).
@@ -65,22 +57,18 @@ int64_t source_row(int64_t b, int64_t j, int64_t out_features, bool paired) {
   return column < half ? (j / kWidth) * half + column : -1;
 }
 
-struct Gemm {
-  const BFloat16* x;
-  int64_t x_stride;
-  const BFloat16* blocks;
-  const BFloat16* bias;  // [out] or, silu, [gate; up] (2 * out); nullptr: none
-  BFloat16* out;
-  int64_t rows, in_features, out_features;
-  int64_t width;  // a block's columns: kWidth, or 2 * kWidth for paired blocks
-  bool silu;      // paired blocks stored as silu(gate) * up (kWidth columns a block)
-};
 
-// Rows [row, row + count) of block b's output from its float32 sums (count x g.width): the
-// bias added and rounded to bfloat16, or (silu) silu(gate) * up rounded as silu_mul rounds it.
 void store_block(const Gemm& g, const float* sums, int64_t row, int64_t count, int64_t b) {
   const int64_t columns = g.silu ? kWidth : g.width, column = b * columns;
   const int64_t valid = std::min(columns, g.out_features - column);
+  if (g.bias == nullptr && !g.silu && valid == columns) {  // the sums, rounded
+    for (int64_t r = 0; r < count; ++r) {
+      const float* s = sums + r * g.width;
+      BFloat16* o = g.out + (row + r) * g.out_features + column;
+      for (int64_t j = 0; j < columns; j += kLanes) store_vec(o + j, load_vec(s + j));
+    }
+    return;
+  }
   alignas(64) float bias[2 * kWidth] = {};
   if (g.bias != nullptr) {
     for (int64_t j = 0; j < valid; ++j) {
@@ -106,8 +94,14 @@ void store_block(const Gemm& g, const float* sums, int64_t row, int64_t count, i
   }
 }
 
-// Blocks [first, last) of the output, all rows, on this thread.
-void run_blocks(const Gemm& g, int64_t first, int64_t last) {
+}  // namespace brigade_tiles
+
+namespace {
+
+using namespace brigade_tiles;
+
+// Blocks [first, last) of the output, all rows, on this thread, through cpublas' micro-kernel.
+void brgemm_blocks(const Gemm& g, int64_t first, int64_t last) {
   const int64_t K = g.in_features;
   thread_local std::vector<float> sums;
   sums.resize(static_cast<size_t>(std::min(g.rows, kBlockRows) * g.width));
@@ -121,6 +115,13 @@ void run_blocks(const Gemm& g, int64_t first, int64_t last) {
     }
   }
   at::native::cpublas::brgemm_release(true);
+}
+
+// Blocks [first, last) of the output, all rows, on this thread: Brigade's tile loop where it
+// runs, else cpublas' micro-kernel.
+void run_blocks(const Gemm& g, int64_t first, int64_t last) {
+  if (tile_loop_runs(g)) return tile_loop(g, first, last);
+  brgemm_blocks(g, first, last);
 }
 
 int64_t num_blocks(int64_t columns, int64_t width) { return (columns + width - 1) / width; }
@@ -156,8 +157,22 @@ at::Tensor run_gemm(const at::Tensor& x, const at::Tensor& blocks,
                out_features,
                width,
                silu};
-  at::parallel_for(0, blocks.size(0), 1,
-                   [&](int64_t begin, int64_t end) { run_blocks(g, begin, end); });
+  if (g.rows <= kBlockRows || !tile_loop_runs(g)) {
+    at::parallel_for(0, blocks.size(0), 1,
+                     [&](int64_t begin, int64_t end) { run_blocks(g, begin, end); });
+    return out;
+  }
+  // Many rows: the threads split the rows, kBlockRows at a time, each over every block (they
+  // write whole rows of the output; split by blocks, the same GEMMs ran ~7% slower).
+  at::parallel_for(0, num_blocks(g.rows, kBlockRows), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      Gemm part = g;
+      part.x = g.x + i * kBlockRows * g.x_stride;
+      part.out = g.out + i * kBlockRows * g.out_features;
+      part.rows = std::min(kBlockRows, g.rows - i * kBlockRows);
+      run_blocks(part, 0, blocks.size(0));
+    }
+  });
   return out;
 }
 
