@@ -12,14 +12,15 @@
   elsewhere (AVX2) they are laid out as float32's and each weight vector is widened to float32
   as it is read: half float32's bytes, the same FMAs (oneDNN runs no bfloat16 there, and
   ``F.linear`` ran SmolLM2 in bfloat16 at a sixth of float32's speed).
-  Bfloat16 weights take oneDNN's packed path instead on CPUs with AMX, where oneDNN's tile
-  kernels ran SmolLM2's shapes 3.5-4.5x faster than the panels at 32 rows and 8-12x at 512
-  (the panels kept only one-row GEMVs, 1.4-2x; an Intel Xeon, 2 threads, docs/benchmarks.md).
-- ``tiles``: as ``panels``, except that on CPUs with AMX bfloat16 weights go to Brigade's tile
-  GEMM (``cpu_tiles.cpp``): blocks of 32 output columns in the layout of oneDNN's AMX
-  micro-kernel, one call per block over all of K. For latency-bound serving: on SmolLM2 it
-  made a one-row decode step ~20% faster than oneDNN's matmul, level at 64-512 rows, and a
-  2048-token chunk's GEMMs ~1.3x slower (an Intel Xeon, 2 threads, docs/benchmarks.md).
+  Bfloat16 weights take Brigade's AMX tile GEMM instead on CPUs with AMX (``cpu_tiles.cpp``,
+  ``cpu_tile_loop.cpp``): blocks of 32 output columns in the layout of oneDNN's AMX
+  micro-kernel, the products on AMX tiles while the next block's weights are fetched. On
+  SmolLM2's layers with cold weights (an Intel Xeon, 2 threads, docs/benchmarks.md) ~1.6x
+  oneDNN's packed matmul at 16 rows, ~1.2x at 112-512, ~0.9x at 2048; the mixed, uniform and
+  shared-prefix workloads 1-20% faster end to end (the panels, 3.5-12x slower than either
+  from 32 rows on, keep no bfloat16 there).
+- ``tiles``: the same as ``panels`` (the name of the tile GEMM's mode from when it was
+  opt-in; configs that name it keep working).
 - ``packed``: oneDNN's matmul (``torch.ops.mkldnn._linear_pointwise``) on the weight
   reordered once into the blocked layout its kernels read for this CPU
   (``torch.ops.mkldnn._reorder_linear_weight``), as vLLM-CPU does; ``onednn`` runs it on the
@@ -61,10 +62,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 CPU_LINEAR_MODES = ("panels", "tiles", "packed", "onednn", "plain")
-"""``[executor] cpu_linear``: Brigade's kernel on column panels (float32 and bfloat16; on CPUs
-with AMX bfloat16 goes as ``packed``), the same with bfloat16 on Brigade's AMX tile GEMM
-where the CPU has AMX, oneDNN on prepacked weights, oneDNN on the weights as loaded, or
-``F.linear``."""
+"""``[executor] cpu_linear``: Brigade's kernels (column panels for float32, and for bfloat16
+where the CPU has no AMX; bfloat16 on the AMX tile GEMM where it has), the same under its
+former name, oneDNN on prepacked weights, oneDNN on the weights as loaded, or ``F.linear``."""
 GATE_UP = "brigade_gate_up"
 """The attribute :func:`mark_gate_up` sets on an ``nn.Linear``."""
 PACK_ROWS = 32
@@ -119,13 +119,9 @@ def panels_usable(dtype: torch.dtype = torch.float32) -> bool:
 
 def panels_chosen(dtype: torch.dtype = torch.float32) -> bool:
     """Whether ``cpu_linear = "panels"`` puts layers of ``dtype`` on the panel GEMM here: where
-    it runs them (:func:`panels_usable`), except bfloat16 on a CPU with AMX tiles when oneDNN
-    runs bfloat16, whose AMX kernels are several times faster from a few rows on."""
-    from brigade.plugins.attention.cpu_kernels import has_amx
-
-    if not panels_usable(dtype):
-        return False
-    return not (dtype == torch.bfloat16 and has_amx() and onednn_usable(dtype))
+    it runs them (:func:`panels_usable`), except where the AMX tile GEMM runs ``dtype``
+    (:func:`tiles_usable`: bfloat16 on a CPU with AMX), several times faster from a few rows on."""
+    return panels_usable(dtype) and not tiles_usable(dtype)
 
 
 def tiles_usable(dtype: torch.dtype = torch.bfloat16) -> bool:
@@ -232,11 +228,11 @@ class CpuLinear(nn.Module):
 def use_cpu_linears(model: nn.Module, mode: str) -> int:
     """Swap every CPU ``nn.Linear`` of ``model`` in a dtype oneDNN runs here for a
     :class:`CpuLinear` (``mode`` ``panels``, ``tiles``, ``packed`` or ``onednn``; ``plain``
-    changes nothing). In ``panels`` mode the layers in a dtype the panel kernel takes here (see
-    :func:`panels_chosen`) take it and the others oneDNN's packed layout, as do all of them
-    when the kernels cannot be built here (with a warning). ``tiles`` mode puts bfloat16 layers
-    on the AMX tile GEMM where it runs (:func:`tiles_usable`; a layer of odd in_features
-    excepted) and is ``panels`` mode otherwise.
+    changes nothing). In ``panels`` mode (``tiles`` is the same) bfloat16 layers take the AMX
+    tile GEMM where it runs (:func:`tiles_usable`; a layer of odd in_features excepted), the
+    layers in a dtype the panel kernel takes here (see :func:`panels_chosen`) take it, and the
+    others oneDNN's packed layout, as do all of them when the kernels cannot be built here (with
+    a warning).
 
     Returns the number of layers swapped (0 where oneDNN's op is missing: a warning is logged
     and the model is left as it was).
@@ -253,7 +249,7 @@ def use_cpu_linears(model: nn.Module, mode: str) -> int:
     ]
     dtypes = {child.weight.dtype for _, _, child in targets}
     ours = mode in ("panels", "tiles")
-    tiles = {dtype for dtype in dtypes if mode == "tiles" and tiles_usable(dtype)}
+    tiles = {dtype for dtype in dtypes if ours and tiles_usable(dtype)}
     panels = {dtype for dtype in dtypes - tiles if ours and panels_chosen(dtype)}
     if ours and torch.float32 in dtypes - panels:
         logger.warning(

@@ -204,14 +204,12 @@ def test_packed_mode_replaces_the_weight_and_onednn_mode_keeps_it() -> None:
         assert set(model.state_dict()) == {"0.bias", "2.0.bias"}
 
     if cpu_gemm.onednn_usable(torch.bfloat16):  # without AVX512-BF16 panels leave it to oneDNN
-        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8, dtype=torch.bfloat16))
-        assert use_cpu_linears(model, "panels") == 2
-        bf16_panels = cpu_gemm.panels_chosen(torch.bfloat16)
-        assert model[1].layout == ("panels" if bf16_panels else "packed")
-        if cpu_gemm.tiles_usable():
+        for mode in ("panels", "tiles"):  # the same: "tiles" is the mode's former name
             model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8, dtype=torch.bfloat16))
-            assert use_cpu_linears(model, "tiles") == 2
-            assert [layer.layout for layer in model] == [model[0].layout, "tiles"]
+            assert use_cpu_linears(model, mode) == 2
+            bf16_panels = cpu_gemm.panels_chosen(torch.bfloat16)
+            expected = "tiles" if cpu_gemm.tiles_usable() else "panels" if bf16_panels else "packed"
+            assert model[1].layout == expected
             assert model[0].layout == ("panels" if cpu_gemm.panels_chosen() else "packed")
 
     model = nn.Sequential(nn.Linear(8, 16))
@@ -225,23 +223,19 @@ def _raises() -> bool:
     raise RuntimeError("cpuinfo unavailable")
 
 
-@pytest.mark.parametrize(
-    ("amx", "chosen"), [(lambda: False, True), (lambda: True, False), (_raises, True)]
-)
-def test_bfloat16_takes_onednn_where_the_cpu_has_amx(
-    monkeypatch: pytest.MonkeyPatch, amx: Any, chosen: bool
+@pytest.mark.parametrize("amx", [lambda: False, lambda: True, _raises])
+def test_bfloat16_takes_the_tile_gemm_where_the_cpu_has_amx(
+    monkeypatch: pytest.MonkeyPatch, amx: Any
 ) -> None:
-    # Measured on an Intel Xeon with AMX: oneDNN's tile kernels 3.5-12x the panels at 32-512 rows.
-    tiles = cpu_gemm._panel_ops() is not None and bool(cpu_gemm._panel_ops().tiles_usable())
+    # Measured on an Intel Xeon with AMX: tile kernels 3.5-12x the panels at 32-512 rows.
+    packs = cpu_gemm._panel_ops() is not None and bool(cpu_gemm._panel_ops().tiles_usable())
+    has_amx = amx is not _raises and bool(amx())
     monkeypatch.setattr(cpu_gemm, "panels_usable", lambda dtype=torch.float32: True)
-    monkeypatch.setattr(cpu_gemm, "onednn_usable", lambda dtype=torch.float32: True)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", amx)
-    assert cpu_gemm.panels_chosen(torch.float32), "float32 has no AMX kernels in oneDNN"
-    assert cpu_gemm.panels_chosen(torch.bfloat16) is chosen
+    assert cpu_gemm.panels_chosen(torch.float32), "float32 has no AMX kernels"
     assert not cpu_gemm.tiles_usable(torch.float32)
-    assert cpu_gemm.tiles_usable(torch.bfloat16) is (not chosen and tiles)
-    monkeypatch.setattr(cpu_gemm, "onednn_usable", lambda dtype=torch.float32: False)
-    assert cpu_gemm.panels_chosen(torch.bfloat16), "without oneDNN's bfloat16 the panels stay"
+    assert cpu_gemm.tiles_usable(torch.bfloat16) is (has_amx and packs)
+    assert cpu_gemm.panels_chosen(torch.bfloat16) is not (has_amx and packs)
 
 
 @TILES
@@ -343,8 +337,8 @@ def test_the_executor_packs_every_gemm_by_default_and_matches_the_plain_one(
     model_dirs: dict[str, Path], tied: str, dtype: str, atol: float
 ) -> None:
     """Float32, and bfloat16 on every CPU: on the panels (widened from bfloat16 where the CPU
-    has no AVX512-BF16) or, where the CPU has AMX, oneDNN's packed layout; oneDNN's own
-    layouts where it runs the dtype, and in bfloat16 on AMX the tile GEMM."""
+    has no AVX512-BF16) or, in bfloat16 where the CPU has AMX, the tile GEMM; oneDNN's own
+    layouts where it runs the dtype, and the tile GEMM's former mode name."""
     default = make_executor(model_dirs[tied], dtype=dtype)
     plain = make_executor(model_dirs[tied], cpu_linear="plain", dtype=dtype)
     others = []
@@ -355,7 +349,10 @@ def test_the_executor_packs_every_gemm_by_default_and_matches_the_plain_one(
     assert len(layers) == 2 * 4 + 1, "four linear layers per decoder layer and the LM head"
     assert all(layer.packed is not None for layer in layers)
     panels = cpu_gemm.panels_chosen(getattr(torch, dtype))
-    assert {layer.layout for layer in layers} == {"panels" if panels else "packed"}
+    tiles = cpu_gemm.tiles_usable(getattr(torch, dtype))
+    assert {layer.layout for layer in layers} == {
+        "tiles" if tiles else "panels" if panels else "packed"
+    }
     if cpu_gemm.tiles_usable(getattr(torch, dtype)):
         others.append(make_executor(model_dirs[tied], cpu_linear="tiles", dtype=dtype))
         tiled = [m for m in others[-1].model.modules() if isinstance(m, CpuLinear)]  # type: ignore[attr-defined]

@@ -18,9 +18,7 @@ from executor_helpers import PAGE_SIZE, ShuffledPages, make_executor, token_sequ
 from brigade.model_input import SeqChunk, build_model_input
 from brigade.models.create import create_model
 from brigade.plugins.attention.cpu_kernels import cpu_ops
-from brigade.plugins.executors.cpu_gemm import tiles_usable
 
-TILES = pytest.mark.skipif(not tiles_usable(), reason="no AMX tiles: tiles mode is panels mode")
 MODELS = {
     "llama": {},
     "mistral": {"sliding_window": 6},  # a window shorter than the contexts below
@@ -112,9 +110,7 @@ def _decode_logits(executor: object, steps: int) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("arch", list(MODELS))
-@pytest.mark.parametrize(
-    "cpu_linear", ["panels", pytest.param("tiles", marks=TILES), "packed", "onednn", "plain"]
-)
+@pytest.mark.parametrize("cpu_linear", ["panels", "packed", "onednn", "plain"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fused_decode_steps_equal_the_eager_layers(
     model_dirs: dict[str, Path], arch: str, cpu_linear: str, dtype: str
@@ -156,9 +152,7 @@ def mixed_logits(executor: object) -> tuple[list[torch.Tensor], int]:
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
-@pytest.mark.parametrize(
-    "cpu_linear", ["panels", pytest.param("tiles", marks=TILES), "onednn", "plain"]
-)
+@pytest.mark.parametrize("cpu_linear", ["panels", "onednn", "plain"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fused_steps_with_prefill_chunks_equal_the_eager_layers(
     model_dirs: dict[str, Path], arch: str, cpu_linear: str, dtype: str

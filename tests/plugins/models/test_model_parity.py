@@ -31,7 +31,6 @@ from brigade.interfaces import ExecutorParams, NoOptions
 from brigade.model_input import SeqChunk, build_model_input
 from brigade.models.checkpoint import open_checkpoint
 from brigade.plugins.attention.sdpa import SdpaBackend
-from brigade.plugins.executors.cpu_gemm import tiles_usable
 from brigade.plugins.executors.torch_executor import TorchExecutor, TorchExecutorOptions
 from brigade.plugins.models.rope import parse_rope_config, rope_cos_sin
 from brigade.testing.parity import assert_greedy_match
@@ -96,7 +95,8 @@ MODES: dict[str, dict[str, Any]] = {
 }
 """How the CPU forward runs: the default fast path (decode and prefill attention in the C++
 kernels that read pages in place, float32 linear layers through Brigade's panel GEMM and
-bfloat16 ones through oneDNN's matmul on packed weights (test_cpu_gemm.py compares oneDNN's),
+bfloat16 ones through it too, or its AMX tile GEMM where the CPU has AMX (test_cpu_gemm.py
+compares them with oneDNN's),
 norms/SiLU-mul/RoPE in the fused C++ kernels), or the reference path (pages gathered for SDPA,
 F.linear, torch's operations).
 The compiled forward is checked against the eager one in test_compiled.py."""
@@ -393,22 +393,14 @@ def test_build_model_input_refuses(chunks: list[SeqChunk], message: str) -> None
 
 
 @pytest.mark.parametrize("name", ["llama", "llama-gqa4-bias", "mistral-window8", "qwen2", "qwen3"])
-@pytest.mark.parametrize(
-    "cpu_linear",
-    [
-        "panels",
-        pytest.param(
-            "tiles", marks=pytest.mark.skipif(not tiles_usable(), reason="no AMX tiles here")
-        ),
-    ],
-)
+@pytest.mark.parametrize("cpu_linear", ["panels", "packed"])
 def test_bfloat16_on_a_cpu_is_as_close_to_fp32_as_transformers_in_bfloat16(
     checkpoints: Callable[[str], tuple[Any, Path]], name: str, cpu_linear: str
 ) -> None:
-    """bf16 is compared by tolerance only: Brigade's CPU fast path in bf16 (GEMMs on the panels
-    or packed oneDNN, or with ``tiles`` on AMX the tile GEMM; fused kernels, the fused decode
-    step) must stray from the fp32 logits no further than transformers' own model does in bf16,
-    over a ragged prefill and decode steps."""
+    """bf16 is compared by tolerance only: Brigade's CPU fast path in bf16 (GEMMs on the panels,
+    or on AMX the tile GEMM, or oneDNN's on packed weights; fused kernels, the fused decode step)
+    must stray from the fp32 logits no further than transformers' own model does in bf16, over a
+    ragged prefill and decode steps."""
     hf_model, directory = checkpoints(name)
     executor = make_executor(directory, dtype="bfloat16", cpu_linear=cpu_linear)
     hf_bf16 = copy.deepcopy(hf_model).to(torch.bfloat16)
