@@ -6,6 +6,7 @@ shapes, by batch rows.
     python benchmarks/cpu_gemm.py --shapes 4096x4096 11008x4096 --rows 1 8
     python benchmarks/cpu_gemm.py --dtype bfloat16    # needs oneDNN's bfloat16 (AVX512-BF16, AMX)
     python benchmarks/cpu_gemm.py --gate-up --rows 1 112 2048   # SiLU-mul in the GEMM or after
+    python benchmarks/cpu_gemm.py --dtype bfloat16 --step 30 --rows 16 112 512 2048
 
 Each shape is timed on as many distinct weights as make ~64 MB, so that a call reads its
 weight from memory as a model's layer does rather than from the caches; the two kernels take
@@ -15,7 +16,10 @@ and the largest difference from F.linear in float32 on the same inputs. In bfloa
 with AMX the tile GEMM (``cpu_linear = "tiles"``) takes its turn too. ``--gate-up`` times
 SmolLM2's gate_up projection and its SiLU-mul instead: the panel GEMM then ``silu_mul``, against
 ``panel_silu_mul`` on paired panels (the product in the GEMM's epilogue), and checks that both
-give the same bits.
+give the same bits. ``--step N`` times a step's worth instead: the shapes of N layers, each
+layer's weights distinct (so read from memory, as in a model's step), called in the model's
+order, oneDNN's packed GEMM against the one ``cpu_linear = "panels"`` picks here (the panels, or
+in bfloat16 on AMX the tile GEMM).
 """
 
 from __future__ import annotations
@@ -123,6 +127,37 @@ def compare_gate_up(ops: Any, rows: int, width: int, in_features: int, dtype: to
     print("  ".join(parts), flush=True)
 
 
+def compare_step(ops: Any, rows: int, layers: int, shapes: list[str], dtype: torch.dtype) -> None:
+    sizes = [tuple(int(n) for n in shape.lower().split("x")) for shape in shapes]
+    weights = [[torch.randn(o, i).to(dtype) for o, i in sizes] for _ in range(layers)]
+    xs = {i: torch.randn(rows, i).to(dtype) for _, i in sizes}
+    tiles = cpu_gemm.tiles_usable(dtype)
+    ours = "tiles" if tiles else "panels"
+    pack = ops.tile_pack if tiles else ops.pack_panels
+    linear = ops.tile_linear if tiles else ops.panel_linear
+    theirs = [[pack_weight(w) for w in layer] for layer in weights]
+    mine = [[pack(w) for w in layer] for layer in weights]
+
+    def step(packed: list[list[torch.Tensor]], call: Callable[..., object]) -> None:
+        for layer in packed:
+            for (out_features, in_features), weight in zip(sizes, layer, strict=True):
+                call(xs[in_features], weight, out_features)
+
+    calls = {
+        "oneDNN packed": lambda _: step(
+            theirs, lambda x, w, _o: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+        ),
+        ours: lambda _: step(mine, lambda x, w, o: linear(x, w, None, o)),
+    }
+    flops = 2 * rows * layers * sum(o * i for o, i in sizes)
+    best = take_turns(calls, 1, max(3, int(3e10 // flops)), rounds=3)
+    parts = [f"rows {rows:4d}  {layers} layers of {' '.join(shapes)}"]
+    for name, seconds in best.items():
+        parts.append(f"{name} {seconds * 1e3:7.2f} ms ({flops / seconds / 1e9:5.0f} GF)")
+    parts.append(f"{ours} {best['oneDNN packed'] / best[ours]:4.2f}x as fast")
+    print("  ".join(parts), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 512])
@@ -132,6 +167,9 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument(
         "--gate-up", action="store_true", help="SiLU-mul in the gate_up GEMM or after it"
+    )
+    parser.add_argument(
+        "--step", type=int, default=0, metavar="LAYERS", help="a step's worth of LAYERS layers"
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -149,6 +187,10 @@ def main() -> None:
             compare_gate_up(ops, rows, GATE_UP_WIDTH, SMOLLM2_HIDDEN, dtype)
         return
     shapes = [*args.shapes, *([LM_HEAD] if args.lm_head else [])]
+    if args.step:
+        for rows in args.rows:
+            compare_step(ops, rows, args.step, args.shapes, dtype)
+        return
     for rows in args.rows:
         for shape in shapes:
             out_features, in_features = (int(n) for n in shape.lower().split("x"))

@@ -263,15 +263,17 @@ def test_the_tile_gemm_takes_every_row_count_and_width(
 @pytest.mark.parametrize("rows", [1, 7, 40, 600])
 @pytest.mark.parametrize("width", [20, 32, 50, 96])
 @pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("in_features", [64, 576])
 def test_silu_mul_in_the_tile_gemm_equals_the_gemm_then_silu_mul(
-    rows: int, width: int, bias: bool
+    rows: int, width: int, bias: bool, in_features: int
 ) -> None:
     """Paired blocks (halves padded to whole blocks: widths 20 and 50): bit for bit the unpaired
-    GEMM's output through silu_mul, the eager path's two kernels; the projection itself too."""
+    GEMM's output through silu_mul, the eager path's two kernels; the projection itself too.
+    K of 2 and 18 steps: the tile loop's epilogue at a block's end, or under the next one."""
     torch.manual_seed(width)
     ops = cpu_gemm._panel_ops()
-    linear = mark_gate_up(nn.Linear(64, 2 * width, bias=bias, dtype=torch.bfloat16))
-    x = torch.randn(rows, 64).bfloat16()
+    linear = mark_gate_up(nn.Linear(in_features, 2 * width, bias=bias, dtype=torch.bfloat16))
+    x = torch.randn(rows, in_features).bfloat16()
     projected = ops.tile_linear(x, ops.tile_pack(linear.weight.detach()), linear.bias, 2 * width)
     layer = CpuLinear(linear, "tiles", gate_up=True)
     assert layer.paired
