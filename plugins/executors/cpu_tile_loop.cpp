@@ -5,8 +5,8 @@
 // (for SmolLM2's 270 MB of weights at 112 rows, ~13 ms of tile work and ~12 of reading); here
 // every step over k asks for a share of the next block's lines and both overlap. Against
 // oneDNN's matmul on its packed weights (SmolLM2's layers, 30 layers' weights cold, an Intel
-// Xeon with AMX, 2 threads, docs/benchmarks.md): ~1.6x as fast at 16 rows, ~1.2x at 112 and
-// 512, ~0.9x at 2048.
+// Xeon with AMX, 2 threads, benchmarks/cpu_gemm.py --step 30): 1.3-1.4x as fast at 1-16 rows,
+// 1.1-1.2x at 112-512, 0.85x at 2048 (docs/benchmarks.md).
 //
 // Only where the compiler targets AMX (-march=native on such a CPU); elsewhere tile_loop_runs
 // says no and cpu_tiles.cpp calls the micro-kernel.
@@ -26,9 +26,8 @@
 namespace brigade_tiles {
 namespace {
 
-constexpr int64_t kTile = 16;       // a tile's rows, and its float32 columns
-constexpr int64_t kStep = 32;       // k per tile product: 16 pairs
-constexpr int64_t kGroupRows = 32;  // rows of x per unit: two tiles of A
+constexpr int64_t kTile = 16;  // a tile's rows, and its float32 columns
+constexpr int64_t kStep = 32;  // k per tile product: 16 pairs
 // The step of a unit at which the previous unit's epilogue runs: its output lines are fetched
 // for writing at step 0 and have arrived by then (stores that missed every cache, or whose
 // lines were fetched earlier and evicted by the weights passing through L1, stalled the loop:
@@ -192,7 +191,9 @@ void run_units(const Units& t, std::vector<float>& buffers, ReadAhead& ahead) {
 
 }  // namespace
 
-bool tile_loop_runs(const Gemm& g) { return g.in_features % kStep == 0 && tiles_permitted(); }
+bool tile_loop_runs(const Gemm& g) {
+  return g.in_features > 0 && g.in_features % kStep == 0 && tiles_permitted();
+}
 
 void tile_loop(const Gemm& g, int64_t first, int64_t last) {
   at::native::cpublas::brgemm_release(true);  // cpublas loads its own tile layout next time

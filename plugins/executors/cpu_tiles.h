@@ -17,6 +17,8 @@ constexpr int64_t kWidth = 32;
 // it the threads split the rows, kBlockRows at a time. On SmolLM2's layers 512 was level with
 // 256 and 1024 and faster than 32-128.
 constexpr int64_t kBlockRows = 512;
+// Rows of x per unit of the tile loop: two tiles of A.
+constexpr int64_t kGroupRows = 32;
 
 struct Gemm {
   const BFloat16* x;
@@ -34,7 +36,7 @@ struct Gemm {
 void store_block(const Gemm& g, const float* sums, int64_t row, int64_t count, int64_t b);
 
 // Whether Brigade's loop runs this GEMM here: built for AMX, the tiles permitted by the
-// kernel, K in whole steps of 32. Else cpublas' micro-kernel does.
+// kernel, K in whole steps of 32 (and not 0). Else cpublas' micro-kernel does.
 bool tile_loop_runs(const Gemm& g);
 
 // Blocks [first, last) of the output, all rows, on this thread (where tile_loop_runs).
