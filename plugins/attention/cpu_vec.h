@@ -9,6 +9,7 @@
 #include <immintrin.h>
 #endif
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -164,5 +165,20 @@ template <typename T>
 inline vecf silu_times(vecf gate, vecf up) {
   return round_vec(gate / (1.0f + exp_vec(-gate)), T{}) * up;
 }
+
+// Lines of memory a loop asks the L2 cache to fetch while it works, spread over its steps:
+// fetch(step, per_step) prefetches lines [step * per_step, (step + 1) * per_step) of the
+// `lines` lines at `at` (the panel GEMM's next panels, the tile GEMM's next block).
+struct Ahead {
+  const char* at = nullptr;
+  int64_t lines = 0;
+
+  void fetch(int64_t step, int64_t per_step) const {
+    for (int64_t line = step * per_step; line < std::min(lines, (step + 1) * per_step); ++line) {
+      __builtin_prefetch(at + line * 64, 0, 2);
+    }
+  }
+  int64_t per_step(int64_t steps) const { return (lines + steps - 1) / steps; }
+};
 
 }  // namespace brigade_cpu

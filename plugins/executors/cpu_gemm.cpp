@@ -102,21 +102,11 @@ struct Gemm {
   bool paired = false;
 };
 
-// Cache lines a tile asks the L2 cache to fetch while it runs: the next panels' weights, so
-// that a group of panels read once per row tile (from L2 after the first) streams the next
-// group from memory meanwhile, instead of the first tile of each group waiting for it.
-struct Ahead {
-  const char* at = nullptr;
-  int64_t lines = 0;
-
-  // Lines [step * per_step, (step + 1) * per_step) of this tile's share, spread over its steps.
-  void fetch(int64_t step, int64_t per_step) const {
-    for (int64_t line = step * per_step; line < std::min(lines, (step + 1) * per_step); ++line) {
-      __builtin_prefetch(at + line * 64, 0, 2);
-    }
-  }
-  int64_t per_step(int64_t steps) const { return (lines + steps - 1) / steps; }
-};
+// Cache lines a tile asks the L2 cache to fetch while it runs (brigade_cpu::Ahead): the next
+// panels' weights, so that a group of panels read once per row tile (from L2 after the first)
+// streams the next group from memory meanwhile, instead of the first tile of each group waiting
+// for it.
+using brigade_cpu::Ahead;
 
 // Rows [row, row + R) of one panel's output columns: sums(r) (row r's float32 sums) plus the
 // bias, stored as T (the last panel's padding columns dropped).

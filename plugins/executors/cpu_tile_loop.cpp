@@ -13,6 +13,8 @@
 
 #include "cpu_tiles.h"
 
+#include "../attention/cpu_vec.h"
+
 #include <ATen/native/CPUBlas.h>
 
 #include <algorithm>
@@ -56,18 +58,6 @@ void configure_tiles() {
   }
   _tile_loadconfig(&config);
 }
-
-// Software prefetch of the weights a thread reads next, per_step lines at each step over k.
-struct ReadAhead {
-  const char* next = nullptr;
-  int64_t lines = 0, done = 0, per_step = 0;
-
-  void step() {
-    for (int64_t i = 0; i < per_step && done < lines; ++i, ++done) {
-      _mm_prefetch(next + done * 64, _MM_HINT_T1);
-    }
-  }
-};
 
 // A unit's sums waiting for the epilogue, which runs under the next unit's products.
 struct Pending {
@@ -122,7 +112,8 @@ struct Units {
 // as soon as this step's last product reading it has issued (the tiles are not renamed), so
 // the loads run under the products; a unit's sums go to one of two buffers and are rounded
 // into the output under the next unit's products.
-void run_units(const Units& t, std::vector<float>& buffers, ReadAhead& ahead) {
+void run_units(const Units& t, std::vector<float>& buffers, const brigade_cpu::Ahead& ahead,
+               int64_t per_step) {
   const Gemm& g = t.g;
   const int64_t steps = g.in_features / kStep, units = t.count();
   const int64_t pair_bytes = g.width * 4, ld = g.width * 4, unit_sums = kGroupRows * g.width;
@@ -130,6 +121,7 @@ void run_units(const Units& t, std::vector<float>& buffers, ReadAhead& ahead) {
   t.unit(0, group, block, half);
   const BFloat16* a = t.rows(group, lda);
   int buffer = 0;
+  int64_t stream_step = 0;  // steps over k so far, all units
   Pending pending;
   _tile_zero(4);
   _tile_zero(5);
@@ -165,7 +157,7 @@ void run_units(const Units& t, std::vector<float>& buffers, ReadAhead& ahead) {
       }
       a = next_a;
       lda = next_lda;
-      ahead.step();
+      ahead.fetch(stream_step++, per_step);
       if (step == 0) pending.fetch(g);
       if (step == kStoreStep) pending.store(g);
     }
@@ -214,11 +206,10 @@ void tile_loop(const Gemm& g, int64_t first, int64_t last) {
                     tail.data(), whole};
   // One block ahead, as fast as the blocks pass.
   const int64_t block_lines = K * g.width * 2 / 64, steps = units.count() * (K / kStep);
-  ReadAhead ahead;
-  ahead.next = reinterpret_cast<const char*>(g.blocks + (first + 1) * K * g.width);
-  ahead.lines = (last - first - 1) * block_lines;
-  ahead.per_step = (block_lines * (last - first) + steps - 1) / steps;
-  run_units(units, buffers, ahead);
+  const brigade_cpu::Ahead ahead{
+      reinterpret_cast<const char*>(g.blocks + (first + 1) * K * g.width),
+      (last - first - 1) * block_lines};
+  run_units(units, buffers, ahead, (block_lines * (last - first) + steps - 1) / steps);
   _tile_release();
 }
 
