@@ -18,8 +18,8 @@ SmolLM2's gate_up projection and its SiLU-mul instead: the panel GEMM then ``sil
 ``panel_silu_mul`` on paired panels (the product in the GEMM's epilogue), and checks that both
 give the same bits. ``--step N`` times a step's worth instead: the shapes of N layers, each
 layer's weights distinct (so read from memory, as in a model's step), called in the model's
-order, oneDNN's packed GEMM against the one ``cpu_linear = "panels"`` picks here (the panels, or
-in bfloat16 on AMX the tile GEMM).
+order, oneDNN's packed GEMM against what ``cpu_linear = "panels"`` picks here (the panels, or
+in bfloat16 on AMX the tile GEMM), both as the engine swaps them in (``use_cpu_linears``).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from brigade.plugins.attention.cpu_kernels import cpu_ops
 from brigade.plugins.executors import cpu_gemm
@@ -127,27 +128,21 @@ def compare_gate_up(ops: Any, rows: int, width: int, in_features: int, dtype: to
     print("  ".join(parts), flush=True)
 
 
-def compare_step(ops: Any, rows: int, layers: int, shapes: list[str], dtype: torch.dtype) -> None:
+def compare_step(rows: int, layers: int, shapes: list[str], dtype: torch.dtype) -> None:
     sizes = [tuple(int(n) for n in shape.lower().split("x")) for shape in shapes]
-    weights = [[torch.randn(o, i).to(dtype) for o, i in sizes] for _ in range(layers)]
     xs = {i: torch.randn(rows, i).to(dtype) for _, i in sizes}
-    tiles = cpu_gemm.tiles_usable(dtype)
-    ours = "tiles" if tiles else "panels"
-    pack = ops.tile_pack if tiles else ops.pack_panels
-    linear = ops.tile_linear if tiles else ops.panel_linear
-    theirs = [[pack_weight(w) for w in layer] for layer in weights]
-    mine = [[pack(w) for w in layer] for layer in weights]
-
-    def step(packed: list[list[torch.Tensor]], call: Callable[..., object]) -> None:
-        for layer in packed:
-            for (out_features, in_features), weight in zip(sizes, layer, strict=True):
-                call(xs[in_features], weight, out_features)
-
+    steps = {}
+    for mode in ("packed", "panels"):  # oneDNN's, and what the default picks here
+        torch.manual_seed(0)
+        step = nn.ModuleList(
+            nn.Linear(i, o, bias=False, dtype=dtype) for _ in range(layers) for o, i in sizes
+        )
+        cpu_gemm.use_cpu_linears(step, mode)
+        steps[mode] = step
+    ours = steps["panels"][0].layout  # type: ignore[union-attr]
     calls = {
-        "oneDNN packed": lambda _: step(
-            theirs, lambda x, w, _o: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-        ),
-        ours: lambda _: step(mine, lambda x, w, o: linear(x, w, None, o)),
+        name: (lambda _, step=step: [layer(xs[layer.in_features]) for layer in step])
+        for name, step in (("oneDNN packed", steps["packed"]), (ours, steps["panels"]))
     }
     flops = 2 * rows * layers * sum(o * i for o, i in sizes)
     best = take_turns(calls, 1, max(3, int(3e10 // flops)), rounds=3)
@@ -189,7 +184,7 @@ def main() -> None:
     shapes = [*args.shapes, *([LM_HEAD] if args.lm_head else [])]
     if args.step:
         for rows in args.rows:
-            compare_step(ops, rows, args.step, args.shapes, dtype)
+            compare_step(rows, args.step, args.shapes, dtype)
         return
     for rows in args.rows:
         for shape in shapes:
