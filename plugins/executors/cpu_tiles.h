@@ -14,9 +14,12 @@ using BFloat16 = c10::BFloat16;
 // Output columns per block: two AMX tiles of 16 float32 columns.
 constexpr int64_t kWidth = 32;
 // Rows per pass of a thread over its blocks (x's rows stay in L2 while the blocks pass); above
-// it the threads split the rows, kBlockRows at a time. On SmolLM2's layers 512 was level with
-// 256 and 1024 and faster than 32-128.
+// it the threads split the rows, kBlockRows at a time, or fewer where x's rows are long: as
+// many as fit in kPartBytes. On SmolLM2's layers 512 was level with 256 and 1024 and faster
+// than 32-128; on the small Llama's down projection (K = 2816: 512 rows are 2.9 MB, more
+// than a core's 2 MB L2) 160 rows took 0.72x the time of 512 at 4096 rows.
 constexpr int64_t kBlockRows = 512;
+constexpr int64_t kPartBytes = 1 << 20;
 // Rows of x per unit of the tile loop: two tiles of A.
 constexpr int64_t kGroupRows = 32;
 
@@ -29,6 +32,7 @@ struct Gemm {
   int64_t rows, in_features, out_features;
   int64_t width;  // a block's columns: kWidth, or 2 * kWidth for paired blocks
   bool silu;      // paired blocks stored as silu(gate) * up (kWidth columns a block)
+  bool stream;    // whole 64-byte lines of the output stored past the caches (see run_gemm)
 };
 
 // Rows [row, row + count) of block b's output from its float32 sums (count x g.width): the

@@ -260,6 +260,35 @@ def test_the_tile_gemm_takes_every_row_count_and_width(
 
 
 @TILES
+@pytest.mark.parametrize(
+    ("rows", "out_features", "in_features"),
+    [(1100, 2048, 64), (1100, 2000, 96), (2100, 1100, 96), (700, 40, 4096)],
+)
+def test_the_tile_gemm_streams_large_outputs_and_cuts_rows_for_long_x(
+    rows: int, out_features: int, in_features: int
+) -> None:
+    """Outputs of 4 MiB and more go past the caches, line by line where a row starts on one
+    (2048 columns: every row; 2000 and 1100: some rows, the others stored as usual); K of 3
+    steps spreads the epilogue over one step; K = 4096 cuts the rows into parts of 128 (their x
+    fits 1 MiB). Still F.linear in float32 rounded to bfloat16, and the paired SiLU-mul still
+    equal to the GEMM then silu_mul."""
+    torch.manual_seed(out_features)
+    ops = cpu_gemm._panel_ops()
+    weight = (torch.randn(out_features, in_features) / in_features**0.5).bfloat16()
+    x = torch.randn(rows, in_features).bfloat16()
+    got = ops.tile_linear(x, ops.tile_pack(weight), None, out_features)
+    expected = F.linear(x.float(), weight.float())
+    torch.testing.assert_close(got, expected.bfloat16(), atol=1e-5, rtol=2**-7)
+    linear = mark_gate_up(nn.Linear(in_features, out_features, bias=False, dtype=torch.bfloat16))
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+    layer = CpuLinear(linear, "tiles", gate_up=True)
+    assert layer.paired
+    projected = ops.tile_linear(x, ops.tile_pack(weight), None, out_features)
+    assert torch.equal(layer.silu_mul(x), ops.silu_mul(projected))
+
+
+@TILES
 @pytest.mark.parametrize("rows", [1, 7, 40, 600])
 @pytest.mark.parametrize("width", [20, 32, 50, 96])
 @pytest.mark.parametrize("bias", [False, True])
