@@ -19,7 +19,9 @@ SmolLM2's gate_up projection and its SiLU-mul instead: the panel GEMM then ``sil
 give the same bits. ``--step N`` times a step's worth instead: the shapes of N layers, each
 layer's weights distinct (so read from memory, as in a model's step), called in the model's
 order, oneDNN's packed GEMM against what ``cpu_linear = "panels"`` picks here (the panels, or
-in bfloat16 on AMX the tile GEMM), both as the engine swaps them in (``use_cpu_linears``).
+in bfloat16 on AMX the tile GEMM), both as the engine swaps them in (``use_cpu_linears``),
+each output freed before the next call and large buffers kept in the heap as the CPU executor
+keeps them (``keep_freed_memory``), so outputs land in reused memory as in a step.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from torch import nn
 from brigade.plugins.attention.cpu_kernels import cpu_ops
 from brigade.plugins.executors import cpu_gemm
 from brigade.plugins.executors.cpu_gemm import pack_weight
+from brigade.plugins.executors.cpu_memory import keep_freed_memory
 
 SMOLLM2 = ("960x576", "576x576", "3072x576", "576x1536")
 """out x in of SmolLM2-135M's qkv, o, gate_up and down projections."""
@@ -140,8 +143,13 @@ def compare_step(rows: int, layers: int, shapes: list[str], dtype: torch.dtype) 
         cpu_gemm.use_cpu_linears(step, mode)
         steps[mode] = step
     ours = steps["panels"][0].layout  # type: ignore[union-attr]
+
+    def run(step: nn.ModuleList) -> None:
+        for layer in step:  # each output freed before the next, as a step frees them
+            layer(xs[layer.in_features])
+
     calls = {
-        name: (lambda _, step=step: [layer(xs[layer.in_features]) for layer in step])
+        name: (lambda _, step=step: run(step))
         for name, step in (("oneDNN packed", steps["packed"]), (ours, steps["panels"]))
     }
     flops = 2 * rows * layers * sum(o * i for o, i in sizes)
@@ -168,6 +176,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    keep_freed_memory()  # as the CPU executor allocates: outputs reuse freed memory
     ops = cpu_ops()
     if ops is None:
         raise SystemExit("the CPU kernels could not be built here")
