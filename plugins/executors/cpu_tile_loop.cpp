@@ -36,7 +36,7 @@ constexpr int64_t kStep = 32;  // k per tile product: 16 pairs
 // at 2048 rows 4-6% of the GEMMs' time). A plain epilogue (no SiLU) that streams its lines
 // past the caches (Gemm::stream) is spread over the steps from kSpreadStep on, a few rows a
 // step, so the tiles never wait for all of it (the small Llama's qkv projection at 4096 rows:
-// 0.89x the time). Spread, the SiLU-mul's made the gate_up projection slower (1.1x), and
+// 0.91x the time). Spread, the SiLU-mul's made the gate_up projection slower (1.1x), and
 // stores through the caches SmolLM2's layers at 512-2048 rows (1.07-1.1x): those run at
 // kStoreStep in one piece.
 constexpr int64_t kStoreStep = 8;
