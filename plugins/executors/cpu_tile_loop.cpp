@@ -69,18 +69,18 @@ void configure_tiles() {
 struct Pending {
   const float* sums = nullptr;
   int64_t row = 0, count = 0, block = 0;
+  int64_t stored = 0;  // its rows stored so far
 
-  // Its output lines, fetched for writing some steps before store writes them.
+  // Its output lines, fetched for writing some steps before store writes them (not when they
+  // are streamed past the caches: fetching them would read each from memory for nothing).
   void fetch(const Gemm& g) const {
-    if (sums == nullptr) return;
+    if (sums == nullptr || g.stream) return;
     const int64_t columns = g.silu ? kWidth : g.width;
     const BFloat16* out = g.out + row * g.out_features + block * columns;
     for (int64_t r = 0; r < count; ++r) {
       _mm_prefetch(reinterpret_cast<const char*>(out + r * g.out_features), _MM_HINT_ET0);
     }
   }
-
-  int64_t stored = 0;  // its rows stored so far
 
   // Its rows up to `rows` (of its count) stored.
   void store_rows(const Gemm& g, int64_t rows) {
