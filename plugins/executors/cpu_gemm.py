@@ -16,7 +16,8 @@
   ``cpu_tile_loop.cpp``): blocks of 32 output columns in the layout of oneDNN's AMX
   micro-kernel, the products on AMX tiles while the next block's weights are fetched. On
   SmolLM2's layers with cold weights (an Intel Xeon, 2 threads, docs/benchmarks.md) 1.3-1.4x
-  oneDNN's packed matmul at 1-16 rows, 1.1-1.2x at 112-512, 0.85x at 2048; the mixed, uniform and
+  oneDNN's packed matmul at 1-16 rows, 1.0-1.2x at 112-512, 0.8-0.85x at 2048 (level at
+  1024-4096 rows on a random Llama of hidden size 1024); the mixed, uniform and
   shared-prefix workloads 1-20% faster end to end (the panels, 3.5-12x slower than either
   from 32 rows on, keep no bfloat16 there).
 - ``tiles``: the same as ``panels`` (the name of the tile GEMM's mode from when it was

@@ -6,7 +6,8 @@
 // every step over k asks for a share of the next block's lines and both overlap. Against
 // oneDNN's matmul on its packed weights (SmolLM2's layers, 30 layers' weights cold, an Intel
 // Xeon with AMX, 2 threads, benchmarks/cpu_gemm.py --step 30): 1.3-1.4x as fast at 1-16 rows,
-// 1.1-1.2x at 112-512, 0.85x at 2048 (docs/benchmarks.md).
+// 1.0-1.2x at 112-512, 0.8-0.85x at 2048; on the small Llama's (K = 1024-2816) level at
+// 1024-4096 rows (docs/benchmarks.md).
 //
 // Only where the compiler targets AMX (-march=native on such a CPU); elsewhere tile_loop_runs
 // says no and cpu_tiles.cpp calls the micro-kernel.

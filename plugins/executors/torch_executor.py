@@ -72,9 +72,9 @@ class TorchExecutorOptions:
         "panels",
         help="on a CPU, how linear layers and the LM head run: 'panels' = Brigade's GEMM on "
         "weights packed once at load into column panels (float32 and bfloat16), and on CPUs "
-        "with AMX bfloat16 on Brigade's AMX tile GEMM (1.1-1.4x 'packed' at decode batch sizes, "
-        "0.85x on 2048-row prefill chunks); 'tiles' = the same (the tile GEMM's mode from when "
-        "it was opt-in), 'packed' = oneDNN's matmul "
+        "with AMX bfloat16 on Brigade's AMX tile GEMM (1.0-1.4x 'packed' at decode batch sizes, "
+        "0.8-1.0x on prefill chunks of 1024-4096 rows); 'tiles' = the same (the tile GEMM's mode "
+        "from when it was opt-in), 'packed' = oneDNN's matmul "
         "on weights reordered once at load into the layout its kernels read on this CPU, "
         "'onednn' = oneDNN on the weights as loaded, 'plain' = F.linear. A packed copy "
         "replaces the loaded weight; with tied embeddings the LM head gets its own "
