@@ -157,13 +157,52 @@ inline vecf exp_vec(vecf x) {
   return p * scale;
 }
 
+// silu(gate) = gate / (1 + exp(-gate)) in float32; below -88, where exp_vec would clamp its
+// argument (and silu(-1e38) came out -2), -0 as torch's underflows to (NaN for -inf).
+inline vecf silu_vec(vecf gate) {
+  const vecf silu = gate / (1.0f + exp_vec(-gate));
+  return gate < -88.0f ? gate * 0.0f : silu;
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+// silu_vec of every bfloat16 value, rounded to bfloat16, by the value's bits (128 KiB, built on
+// first use; kLanes entries of padding, as a gather reads 32 bits at an entry). A bfloat16
+// gate has 65536 values, so its rounded SiLU is a lookup: one gather instead of the ~25
+// operations and a division of silu_vec, which ran as the tile GEMM's epilogue between its
+// products (SmolLM2's gate_up projection at 112-4096 rows: 0.84-0.92x the time).
+inline const uint16_t* silu_bfloat16_table() {
+  static const uint16_t* const table = [] {
+    auto* entries = new uint16_t[65536 + kLanes]();
+    for (uint32_t i = 0; i < 65536; i += kLanes) {
+      vecw bits;
+      for (int lane = 0; lane < kLanes; ++lane) bits[lane] = (i + lane) << 16;
+      vecf gate;
+      std::memcpy(&gate, &bits, sizeof(gate));
+      const vech silu = bfloat16_bits(silu_vec(gate));
+      std::memcpy(entries + i, &silu, sizeof(silu));
+    }
+    return entries;
+  }();
+  return table;
+}
+#endif
+
 // silu(gate) * up as torch computes it in T: silu = gate / (1 + exp(-gate)) rounded to T, times
 // up (gate and up already T's values); the caller's store rounds the product. silu_mul
 // (cpu_layer_ops.cpp) and the GEMMs that store it from their sums (cpu_gemm.cpp, cpu_tiles.cpp)
-// all take it from here, so that their results agree bit for bit.
+// all take it from here, so that their results agree bit for bit. bfloat16 with AVX512-BF16
+// looks the rounded SiLU up (silu_bfloat16_table: the same values, computed once).
 template <typename T>
 inline vecf silu_times(vecf gate, vecf up) {
-  return round_vec(gate / (1.0f + exp_vec(-gate)), T{}) * up;
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    static const uint16_t* const table = silu_bfloat16_table();
+    const __m512i index = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(bfloat16_bits(gate)));
+    const __m512i silu = _mm512_slli_epi32(_mm512_i32gather_epi32(index, table, 2), 16);
+    return reinterpret_cast<vecf>(silu) * up;
+  }
+#endif
+  return round_vec(silu_vec(gate), T{}) * up;
 }
 
 // Lines of memory a loop asks the L2 cache to fetch while it works, spread over its steps:

@@ -34,12 +34,12 @@ constexpr int64_t kStep = 32;  // k per tile product: 16 pairs
 // The step of a unit at which the previous unit's epilogue runs: its output lines are fetched
 // for writing at step 0 and have arrived by then (stores that missed every cache, or whose
 // lines were fetched earlier and evicted by the weights passing through L1, stalled the loop:
-// at 2048 rows 4-6% of the GEMMs' time). A plain epilogue (no SiLU) that streams its lines
-// past the caches (Gemm::stream) is spread over the steps from kSpreadStep on, a few rows a
-// step, so the tiles never wait for all of it (the small Llama's qkv projection at 4096 rows:
-// 0.91x the time). Spread, the SiLU-mul's made the gate_up projection slower (1.1x), and
-// stores through the caches SmolLM2's layers at 512-2048 rows (1.07-1.1x): those run at
-// kStoreStep in one piece.
+// at 2048 rows 4-6% of the GEMMs' time). The SiLU-mul's epilogue, and a plain one that
+// streams its lines past the caches (Gemm::stream), are spread over the steps from kSpreadStep
+// on, a few rows a step, so the tiles never wait for all of it (the small Llama's qkv
+// projection at 4096 rows: 0.91x the time; SmolLM2's gate_up with its SiLU-mul at 112-4096
+// rows: 0.89-0.95x). A plain epilogue stored through the caches, spread, made SmolLM2's layers
+// at 512-2048 rows slower (1.07-1.1x): it runs at kStoreStep in one piece.
 constexpr int64_t kStoreStep = 8;
 constexpr int64_t kSpreadStep = 2;
 
@@ -99,7 +99,7 @@ struct Pending {
 
   // Its share of the epilogue at step `step` of `steps` of the unit running now.
   void store_at(const Gemm& g, int64_t step, int64_t steps) {
-    if (g.silu || !g.stream) {
+    if (!g.silu && !g.stream) {
       if (step == kStoreStep) store(g);
       return;
     }

@@ -81,8 +81,9 @@ void store_row(const Gemm& g, BFloat16* o, const vecf* v, int64_t columns) {
 void store_block(const Gemm& g, const float* sums, int64_t row, int64_t count, int64_t b) {
   const int64_t columns = g.silu ? kWidth : g.width, column = b * columns;
   const int64_t valid = std::min(columns, g.out_features - column);
-  alignas(64) float bias[2 * kWidth] = {};
+  alignas(64) float bias[2 * kWidth];  // filled only where there is a bias
   if (g.bias != nullptr) {
+    std::fill(bias, bias + 2 * kWidth, 0.0f);
     for (int64_t j = 0; j < valid; ++j) {
       bias[j] = static_cast<float>(g.bias[column + j]);
       if (g.silu) bias[kWidth + j] = static_cast<float>(g.bias[g.out_features + column + j]);

@@ -110,6 +110,40 @@ def test_bfloat16_kernels_round_where_transformers_bfloat16_operations_do(
         assert torch.equal(rotated_k, apply_rope(k, cos, sin))
 
 
+def test_bfloat16_silu_mul_rounds_the_float32_silu_for_every_gate_value(ops: object) -> None:
+    """All 65536 bfloat16 gates (CPUs with AVX512-BF16 look the SiLU up in a table built from
+    the float32 kernel's arithmetic): the float32 silu_mul's value rounded to bfloat16, bit for
+    bit (where that is not below bfloat16's smallest normal, which the BF16 instructions flush
+    to zero), and torch's silu but for rare one-unit differences (from -88 up; below, -0)."""
+    gate = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    gate = gate.reshape(256, 256)
+    up = torch.randn(256, 256, generator=torch.Generator().manual_seed(8)).bfloat16()
+    silu = ops.silu_mul(torch.cat([gate, torch.ones_like(gate)], dim=1))  # type: ignore[attr-defined]
+    in_float32 = ops.silu_mul(torch.cat([gate, torch.ones_like(gate)], dim=1).float())  # type: ignore[attr-defined]
+    normal = (in_float32.abs() >= torch.finfo(torch.bfloat16).tiny) | (in_float32 == 0)
+    assert normal.float().mean().item() > 0.98
+    bits, expected = silu.view(torch.int16), in_float32.bfloat16().view(torch.int16)
+    assert torch.equal(bits[normal], expected[normal])
+    assert torch.equal(silu.isnan(), in_float32.isnan())
+    flushed_or_equal = (silu == 0) | (bits == expected)  # flushed with AVX512-BF16 only
+    assert flushed_or_equal[~normal & ~in_float32.isnan()].all()
+    finite = gate.isfinite() & normal
+    # Below -88 the kernels' SiLU is -0 (NaN for -inf), torch's -0 or as tiny as 3e-37.
+    below = gate < -88
+    _mostly_equal(silu[finite & ~below], F.silu(gate[finite & ~below]), share=0.999)
+    assert (silu[below & gate.isfinite()].view(torch.int16) == -32768).all()
+    assert silu[gate == float("-inf")].isnan().all()
+    torch.testing.assert_close(
+        silu[below].float(), F.silu(gate[below].float()), atol=1e-36, rtol=0, equal_nan=True
+    )
+    # Times up, as the GEMMs' epilogues take it (the product rounded once).
+    product = ops.silu_mul(torch.cat([gate, up], dim=1))  # type: ignore[attr-defined]
+    exact = silu.float() * up.float()
+    normal = finite & ((exact.abs() >= torch.finfo(torch.bfloat16).tiny) | (exact == 0))
+    expected = exact[normal].bfloat16().view(torch.int16)
+    assert torch.equal(product[normal].view(torch.int16), expected)
+
+
 def test_bad_shapes_are_refused_with_a_message(ops: object) -> None:
     with pytest.raises(RuntimeError, match="even width"):
         ops.silu_mul(torch.zeros(2, 7))  # type: ignore[attr-defined]

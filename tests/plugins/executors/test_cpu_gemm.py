@@ -297,7 +297,7 @@ def test_silu_mul_in_the_tile_gemm_equals_the_gemm_then_silu_mul(
 ) -> None:
     """Paired blocks (halves padded to whole blocks: widths 20 and 50): bit for bit the unpaired
     GEMM's output through silu_mul, the eager path's two kernels; the projection itself too.
-    K of 2 and 18 steps: the tile loop's epilogue at a block's end, or under the next one."""
+    K of 2 and 18 steps: the tile loop's epilogue at a block's end, or spread under the next one."""
     torch.manual_seed(width)
     ops = cpu_gemm._panel_ops()
     linear = mark_gate_up(nn.Linear(in_features, 2 * width, bias=bias, dtype=torch.bfloat16))
