@@ -29,4 +29,10 @@ inline float exp_clamped(float x) {
   return p * scale;
 }
 
+// silu(x) = x / (1 + exp(-x)) of one value, as cpu_vec.h's silu_vec computes it (-0 below -88,
+// where exp_clamped would clamp).
+inline float silu_clamped(float x) {
+  return x < -88.0f ? x * 0.0f : x / (1.0f + exp_clamped(-x));
+}
+
 }  // namespace brigade_cpu

@@ -213,8 +213,7 @@ at::Tensor silu_mul(at::Tensor gate_up) {
         }
         for (; e < width; ++e) {
           const float g = to_float(gate[e]);
-          const float silu = round_as<T>(g < -88.0f ? g * 0.0f  // as silu_vec
-                                                    : g / (1.0f + brigade_cpu::exp_clamped(-g)));
+          const float silu = round_as<T>(brigade_cpu::silu_clamped(g));
           o[e] = from_float<T>(silu * to_float(up[e]));
         }
       }

@@ -158,7 +158,8 @@ inline vecf exp_vec(vecf x) {
 }
 
 // silu(gate) = gate / (1 + exp(-gate)) in float32; below -88, where exp_vec would clamp its
-// argument (and silu(-1e38) came out -2), -0 as torch's underflows to (NaN for -inf).
+// argument (and silu(-1e38) came out -2), -0 as torch's underflows to (NaN for -inf). One value
+// at a time: silu_clamped (cpu_exp.h).
 inline vecf silu_vec(vecf gate) {
   const vecf silu = gate / (1.0f + exp_vec(-gate));
   return gate < -88.0f ? gate * 0.0f : silu;
@@ -196,9 +197,9 @@ template <typename T>
 inline vecf silu_times(vecf gate, vecf up) {
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    static const uint16_t* const table = silu_bfloat16_table();
     const __m512i index = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(bfloat16_bits(gate)));
-    const __m512i silu = _mm512_slli_epi32(_mm512_i32gather_epi32(index, table, 2), 16);
+    const __m512i silu =
+        _mm512_slli_epi32(_mm512_i32gather_epi32(index, silu_bfloat16_table(), 2), 16);
     return reinterpret_cast<vecf>(silu) * up;
   }
 #endif

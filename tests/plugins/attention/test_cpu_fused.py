@@ -118,8 +118,9 @@ def test_bfloat16_silu_mul_rounds_the_float32_silu_for_every_gate_value(ops: obj
     gate = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
     gate = gate.reshape(256, 256)
     up = torch.randn(256, 256, generator=torch.Generator().manual_seed(8)).bfloat16()
-    silu = ops.silu_mul(torch.cat([gate, torch.ones_like(gate)], dim=1))  # type: ignore[attr-defined]
-    in_float32 = ops.silu_mul(torch.cat([gate, torch.ones_like(gate)], dim=1).float())  # type: ignore[attr-defined]
+    gate_ones = torch.cat([gate, torch.ones_like(gate)], dim=1)
+    silu = ops.silu_mul(gate_ones)  # type: ignore[attr-defined]
+    in_float32 = ops.silu_mul(gate_ones.float())  # type: ignore[attr-defined]
     normal = (in_float32.abs() >= torch.finfo(torch.bfloat16).tiny) | (in_float32 == 0)
     assert normal.float().mean().item() > 0.98
     bits, expected = silu.view(torch.int16), in_float32.bfloat16().view(torch.int16)
