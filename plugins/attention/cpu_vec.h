@@ -193,17 +193,35 @@ inline const uint16_t* silu_bfloat16_table() {
 // (cpu_layer_ops.cpp) and the GEMMs that store it from their sums (cpu_gemm.cpp, cpu_tiles.cpp)
 // all take it from here, so that their results agree bit for bit. bfloat16 with AVX512-BF16
 // looks the rounded SiLU up (silu_bfloat16_table: the same values, computed once).
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+// The rounded SiLU of the bfloat16 values whose bits are `gate`, from silu_bfloat16_table.
+inline vecf silu_lookup(vech gate) {
+  const __m512i index = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(gate));
+  const __m512i silu =
+      _mm512_slli_epi32(_mm512_i32gather_epi32(index, silu_bfloat16_table(), 2), 16);
+  return reinterpret_cast<vecf>(silu);
+}
+#endif
+
 template <typename T>
 inline vecf silu_times(vecf gate, vecf up) {
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    const __m512i index = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(bfloat16_bits(gate)));
-    const __m512i silu =
-        _mm512_slli_epi32(_mm512_i32gather_epi32(index, silu_bfloat16_table(), 2), 16);
-    return reinterpret_cast<vecf>(silu) * up;
-  }
+  if constexpr (std::is_same_v<T, c10::BFloat16>) return silu_lookup(bfloat16_bits(gate)) * up;
 #endif
   return round_vec(silu_vec(gate), T{}) * up;
+}
+
+// silu_times<T> of gate and up rounded to T first (a GEMM epilogue's float32 sums): the same
+// values; with the table, the gate's rounded bits index it as they are, not widened to be
+// rounded again.
+template <typename T>
+inline vecf silu_times_rounding(vecf gate, vecf up) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return silu_lookup(bfloat16_bits(gate)) * round_vec(up, T{});
+  }
+#endif
+  return silu_times<T>(round_vec(gate, T{}), round_vec(up, T{}));
 }
 
 // Lines of memory a loop asks the L2 cache to fetch while it works, spread over its steps:

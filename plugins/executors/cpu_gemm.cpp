@@ -145,9 +145,7 @@ void store_pair(const Gemm<T>& g, int64_t row, int64_t panel, const Gate& gate, 
   }
   for (int r = 0; r < R; ++r) {
     T* o = g.out + (row + r) * g.out_features + column;
-    const vecf a = brigade_cpu::round_vec(gate(r) + gate_bias, T{});
-    const vecf b = brigade_cpu::round_vec(up(r) + up_bias, T{});
-    const vecf result = brigade_cpu::silu_times<T>(a, b);
+    const vecf result = brigade_cpu::silu_times_rounding<T>(gate(r) + gate_bias, up(r) + up_bias);
     if (width == kLanes) {
       store_vec(o, result);
     } else {

@@ -42,7 +42,6 @@ namespace brigade_tiles {
 
 using brigade_cpu::kLanes;
 using brigade_cpu::load_vec;
-using brigade_cpu::round_vec;
 using brigade_cpu::store_vec;
 using brigade_cpu::vecf;
 static_assert(kWidth % kLanes == 0, "a block holds whole vectors");
@@ -58,60 +57,96 @@ int64_t source_row(int64_t b, int64_t j, int64_t out_features, bool paired) {
   return column < half ? (j / kWidth) * half + column : -1;
 }
 
-// One row's values, columns / kLanes vectors, rounded into o: with g.stream, line by line past
-// the caches where the row starts on a line, else as store_vec stores them.
-void store_row(const Gemm& g, BFloat16* o, const vecf* v, int64_t columns) {
+namespace {
+
+// One row's Columns values (v, float32) rounded to bfloat16 into o: with AVX512-BF16 a line
+// (two vectors) per instruction, stored past the caches where `stream` and the row starts on a
+// line; else as store_vec stores them.
+template <int64_t Columns>
+inline void store_row(bool stream, BFloat16* o, const vecf (&v)[Columns / kLanes]) {
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
   static_assert(kWidth == 2 * kLanes, "a line is two vectors");
-  if (g.stream && reinterpret_cast<uintptr_t>(o) % 64 == 0) {
-    for (int64_t j = 0; j < columns / kLanes; j += 2) {
-      // Rounded as bfloat16_bits rounds (one instruction for both halves of the line).
-      const __m512bh line = _mm512_cvtne2ps_pbh(reinterpret_cast<__m512>(v[j + 1]),
-                                                reinterpret_cast<__m512>(v[j]));
-      __m512i bits;
-      std::memcpy(&bits, &line, sizeof(bits));
+  const bool past = stream && reinterpret_cast<uintptr_t>(o) % 64 == 0;
+  for (int64_t j = 0; j < Columns / kLanes; j += 2) {
+    // Rounded as bfloat16_bits rounds (one instruction for both halves of the line).
+    const __m512bh line = _mm512_cvtne2ps_pbh(reinterpret_cast<__m512>(v[j + 1]),
+                                              reinterpret_cast<__m512>(v[j]));
+    __m512i bits;
+    std::memcpy(&bits, &line, sizeof(bits));
+    if (past) {
       _mm512_stream_si512(reinterpret_cast<__m512i*>(o + j * kLanes), bits);
+    } else {
+      _mm512_storeu_si512(o + j * kLanes, bits);
     }
-    return;
   }
+#else
+  (void)stream;
+  for (int64_t j = 0; j < Columns / kLanes; ++j) store_vec(o + j * kLanes, v[j]);
 #endif
-  for (int64_t j = 0; j < columns / kLanes; ++j) store_vec(o + j * kLanes, v[j]);
 }
+
+// store_block for one kind of block, every choice made once: Columns output columns a row
+// (kWidth, or 2 * kWidth for tile_linear on paired blocks), silu(gate) * up or the sums as they
+// are, with or without a bias. Alone, a 32 x 32 unit's epilogue took 170 ns with the choices
+// made row by row and each line stored in two halves, 40 here (a paired one's 450, and 330 with
+// silu_times_rounding). Between the tile products it costs more than alone, and about as much
+// either way: with no epilogue at all the small Llama's layers at 128 rows took 0.8x the time,
+// with this one level with the old (docs/benchmarks.md).
+template <int64_t Columns, bool Silu, bool Bias>
+void store_rows(const Gemm& g, const float* sums, int64_t row, int64_t count, int64_t column,
+                int64_t valid, const float* bias) {
+  constexpr int64_t vectors = Columns / kLanes;
+  BFloat16* o = g.out + row * g.out_features + column;
+  for (int64_t r = 0; r < count; ++r, sums += g.width, o += g.out_features) {
+    vecf v[vectors];
+    for (int64_t j = 0; j < vectors; ++j) {
+      vecf value = load_vec(sums + j * kLanes);
+      if constexpr (Bias) value += load_vec(bias + j * kLanes);
+      if constexpr (Silu) {
+        vecf up = load_vec(sums + kWidth + j * kLanes);
+        if constexpr (Bias) up += load_vec(bias + kWidth + j * kLanes);
+        value = brigade_cpu::silu_times_rounding<BFloat16>(value, up);
+      }
+      v[j] = value;
+    }
+    if (valid == Columns) {
+      store_row<Columns>(g.stream, o, v);
+    } else {  // the last block's padding columns are not the output's
+      alignas(64) BFloat16 staged[Columns];
+      for (int64_t j = 0; j < vectors; ++j) store_vec(staged + j * kLanes, v[j]);
+      std::copy(staged, staged + valid, o);
+    }
+  }
+}
+
+// store_rows for g's kind of block.
+template <bool Bias>
+void store_kind(const Gemm& g, const float* sums, int64_t row, int64_t count, int64_t column,
+                int64_t valid, const float* bias) {
+  if (g.silu) {
+    store_rows<kWidth, true, Bias>(g, sums, row, count, column, valid, bias);
+  } else if (g.width == kWidth) {
+    store_rows<kWidth, false, Bias>(g, sums, row, count, column, valid, bias);
+  } else {
+    store_rows<2 * kWidth, false, Bias>(g, sums, row, count, column, valid, bias);
+  }
+}
+
+}  // namespace
 
 void store_block(const Gemm& g, const float* sums, int64_t row, int64_t count, int64_t b) {
   const int64_t columns = g.silu ? kWidth : g.width, column = b * columns;
   const int64_t valid = std::min(columns, g.out_features - column);
-  alignas(64) float bias[2 * kWidth];  // filled only where there is a bias
-  if (g.bias != nullptr) {
-    std::fill(bias, bias + 2 * kWidth, 0.0f);
-    for (int64_t j = 0; j < valid; ++j) {
-      bias[j] = static_cast<float>(g.bias[column + j]);
-      if (g.silu) bias[kWidth + j] = static_cast<float>(g.bias[g.out_features + column + j]);
-    }
+  if (g.bias == nullptr) {
+    store_kind<false>(g, sums, row, count, column, valid, nullptr);
+    return;
   }
-  for (int64_t r = 0; r < count; ++r) {
-    const float* s = sums + r * g.width;
-    vecf v[2 * kWidth / kLanes];
-    for (int64_t j = 0; j < columns; j += kLanes) {
-      vecf value = load_vec(s + j);
-      if (g.bias != nullptr) value += load_vec(bias + j);
-      if (g.silu) {
-        vecf up = load_vec(s + kWidth + j);
-        if (g.bias != nullptr) up += load_vec(bias + kWidth + j);
-        value = brigade_cpu::silu_times<BFloat16>(round_vec(value, BFloat16{}),
-                                                  round_vec(up, BFloat16{}));
-      }
-      v[j / kLanes] = value;
-    }
-    BFloat16* o = g.out + (row + r) * g.out_features + column;
-    if (valid == columns) {
-      store_row(g, o, v, columns);
-    } else {  // the last block's padding columns are not the output's
-      alignas(64) BFloat16 staged[2 * kWidth];
-      for (int64_t j = 0; j < columns; j += kLanes) store_vec(staged + j, v[j / kLanes]);
-      std::copy(staged, staged + valid, o);
-    }
+  alignas(64) float bias[2 * kWidth] = {};
+  for (int64_t j = 0; j < valid; ++j) {
+    bias[j] = static_cast<float>(g.bias[column + j]);
+    if (g.silu) bias[kWidth + j] = static_cast<float>(g.bias[g.out_features + column + j]);
   }
+  store_kind<true>(g, sums, row, count, column, valid, bias);
 }
 
 }  // namespace brigade_tiles
