@@ -7,13 +7,13 @@
 // its tokens' windows reach, if any), in blocks of kKeyBlock keys laid out as the micro-kernel
 // reads its second operand (k pairs interleaved): K^T blocks [head_dim / 2][kKeyBlock][2] and
 // V blocks [kKeyBlock / 2][head_dim][2], the last block zero-padded. Then a task is a block of
-// up to kQueryBlock tokens of one chunk and one KV head, its rows the (token, query head of
-// that KV head) pairs (so the query heads of a KV head share every key block it reads), copied
-// once into a dense [rows, head_dim] block. Per key block: scores for all rows in one call, the
-// running softmax per row in float32 (scaled, masked past the row's position and outside its
-// window, flash attention's rescaling of the row's sums), the weights rounded to bfloat16 and
-// out += P V in a second call. Blocks no row can see are skipped. Tasks run costliest first on
-// a shared counter (cpu_tasks.h).
+// up to query_block(group) tokens of one chunk and one KV head, its rows the (token, query
+// head of that KV head) pairs (so the query heads of a KV head share every key block it reads),
+// copied once into a dense [rows, head_dim] block. Per key block: scores for all rows in one
+// call, the running softmax per row in float32 (scaled, masked past the row's position and
+// outside its window, flash attention's rescaling of the row's sums), the weights rounded to
+// bfloat16 and out += P V in a second call. Blocks no row can see are skipped. Tasks run
+// costliest first on a shared counter (cpu_tasks.h).
 //
 // torch's flash attention, which bfloat16 prefills on AMX took before, runs the same two
 // products on the same micro-kernel, but its softmax and packing cost more: a 512-token
@@ -59,7 +59,13 @@ using brigade_cpu::store_vec;
 using brigade_cpu::vecf;
 using BFloat16 = c10::BFloat16;
 
-constexpr int64_t kQueryBlock = 32;  // query tokens per task
+// Query tokens per task: its rows (token, query head) number ~96-128 whatever the model's
+// group (SmolLM2's 3: 32 tokens; a group of 2: 64), as each micro-kernel call costs about as
+// much to set up as its products of few rows take (a group of 2 at 32 tokens: 64 rows a call;
+// at 64, the small Llama's prefill attention 0.91x the time, benchmarks/cpu_prefill.py).
+int64_t query_block(int64_t group) {
+  return std::max<int64_t>(32, 128 / std::max<int64_t>(group, 1) / 32 * 32);
+}
 constexpr int64_t kKeyBlock = 128;   // keys per micro-kernel call
 // A block's last keys that no row of a task sees are left out of its products in steps of
 // kKeySteps (one AMX tile's k depth).
@@ -70,6 +76,7 @@ static_assert(kKeyBlock % kKeySteps == 0 && kKeySteps % kLanes == 0,
 struct Geometry {
   int64_t num_heads, group, head_dim, page_size, kv_heads, window;
   float scale;
+  int64_t query_block;  // query_block(group)
 };
 
 // One (chunk, KV head)'s keys and values from key block first_block on (the blocks before it
@@ -128,12 +135,12 @@ struct Scratch {
   std::vector<BFloat16> queries, weights;
   std::vector<float> scores, sums, maxima, totals;
   explicit Scratch(const Geometry& geo)
-      : queries(kQueryBlock * geo.group * geo.head_dim),
-        weights(kQueryBlock * geo.group * kKeyBlock),
-        scores(kQueryBlock * geo.group * kKeyBlock),
-        sums(kQueryBlock * geo.group * geo.head_dim),
-        maxima(kQueryBlock * geo.group),
-        totals(kQueryBlock * geo.group) {}
+      : queries(geo.query_block * geo.group * geo.head_dim),
+        weights(geo.query_block * geo.group * kKeyBlock),
+        scores(geo.query_block * geo.group * kKeyBlock),
+        sums(geo.query_block * geo.group * geo.head_dim),
+        maxima(geo.query_block * geo.group),
+        totals(geo.query_block * geo.group) {}
   Scratch(Scratch&&) = default;
   ~Scratch() {
     if (!queries.empty()) at::native::cpublas::brgemm_release(true);
@@ -301,12 +308,13 @@ at::Tensor paged_prefill_tiles(at::Tensor query, at::Tensor key_cache, at::Tenso
                                     kLanes);
   const int64_t num_heads = query.size(1), head_dim = query.size(2);
   const int64_t page_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
-  const Geometry geo{num_heads, num_heads / num_kv_heads, head_dim, page_size,
-                     num_kv_heads, window, static_cast<float>(scale)};
+  const int64_t group = num_heads / num_kv_heads;
+  const Geometry geo{num_heads, group,  head_dim, page_size, num_kv_heads, window,
+                     static_cast<float>(scale), query_block(group)};
   int64_t out_first = 0, out_end = 0;
   const std::vector<Task> tasks =
       brigade_cpu::prefill_tasks(chunks, block_tables, query.size(0), page_size, num_kv_heads,
-                                 kQueryBlock, window, out_first, out_end);
+                                 geo.query_block, window, out_first, out_end);
   const int64_t* spec = chunks.data_ptr<int64_t>();
   const int64_t num_chunks = chunks.size(0);
   std::vector<int64_t> packed_at(num_chunks + 1, 0);  // each chunk's first packed value

@@ -370,6 +370,7 @@ def test_paged_prefill_equals_causal_softmax_over_each_rows_keys(
     [
         (9, 3, 64, 16, 0),  # SmolLM2's shape
         (9, 3, 64, 16, 20),  # a sliding window shorter than most chunks
+        (16, 8, 64, 16, 0),  # the small Llama's: groups of 2, tasks of 64 tokens
         (8, 2, 128, 4, 0),  # a wider head, small pages
         (4, 4, 32, 1, 7),  # no grouping, one token per page
         (8, 1, 16, 16, 0),  # all heads on one KV head
