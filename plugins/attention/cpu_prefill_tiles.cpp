@@ -62,7 +62,7 @@ using BFloat16 = c10::BFloat16;
 // Query tokens per task: its rows (token, query head) number ~96-128 whatever the model's
 // group (SmolLM2's 3: 32 tokens; a group of 2: 64), as each micro-kernel call costs about as
 // much to set up as its products of few rows take (a group of 2 at 32 tokens: 64 rows a call;
-// at 64, the small Llama's prefill attention 0.91x the time, benchmarks/cpu_prefill.py).
+// at 64, the small Llama's prefill attention 0.91-0.94x the time, benchmarks/cpu_prefill.py).
 int64_t query_block(int64_t group) {
   return std::max<int64_t>(32, 128 / std::max<int64_t>(group, 1) / 32 * 32);
 }
@@ -309,7 +309,7 @@ at::Tensor paged_prefill_tiles(at::Tensor query, at::Tensor key_cache, at::Tenso
   const int64_t num_heads = query.size(1), head_dim = query.size(2);
   const int64_t page_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;
-  const Geometry geo{num_heads, group,  head_dim, page_size, num_kv_heads, window,
+  const Geometry geo{num_heads, group, head_dim, page_size, num_kv_heads, window,
                      static_cast<float>(scale), query_block(group)};
   int64_t out_first = 0, out_end = 0;
   const std::vector<Task> tasks =

@@ -186,14 +186,7 @@ inline const uint16_t* silu_bfloat16_table() {
   }();
   return table;
 }
-#endif
 
-// silu(gate) * up as torch computes it in T: silu = gate / (1 + exp(-gate)) rounded to T, times
-// up (gate and up already T's values); the caller's store rounds the product. silu_mul
-// (cpu_layer_ops.cpp) and the GEMMs that store it from their sums (cpu_gemm.cpp, cpu_tiles.cpp)
-// all take it from here, so that their results agree bit for bit. bfloat16 with AVX512-BF16
-// looks the rounded SiLU up (silu_bfloat16_table: the same values, computed once).
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
 // The rounded SiLU of the bfloat16 values whose bits are `gate`, from silu_bfloat16_table.
 inline vecf silu_lookup(vech gate) {
   const __m512i index = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(gate));
@@ -203,6 +196,11 @@ inline vecf silu_lookup(vech gate) {
 }
 #endif
 
+// silu(gate) * up as torch computes it in T: silu = gate / (1 + exp(-gate)) rounded to T, times
+// up (gate and up already T's values); the caller's store rounds the product. silu_mul
+// (cpu_layer_ops.cpp) and the GEMMs that store it from their sums (cpu_gemm.cpp, cpu_tiles.cpp)
+// all take it from here, so that their results agree bit for bit. bfloat16 with AVX512-BF16
+// looks the rounded SiLU up (silu_bfloat16_table: the same values, computed once).
 template <typename T>
 inline vecf silu_times(vecf gate, vecf up) {
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
