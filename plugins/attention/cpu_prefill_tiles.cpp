@@ -76,7 +76,6 @@ static_assert(kKeyBlock % kKeySteps == 0 && kKeySteps % kLanes == 0,
 struct Geometry {
   int64_t num_heads, group, head_dim, page_size, kv_heads, window;
   float scale;
-  int64_t query_block;  // query_block(group)
 };
 
 // One (chunk, KV head)'s keys and values from key block first_block on (the blocks before it
@@ -134,13 +133,14 @@ using Task = brigade_cpu::PrefillTask;
 struct Scratch {
   std::vector<BFloat16> queries, weights;
   std::vector<float> scores, sums, maxima, totals;
-  explicit Scratch(const Geometry& geo)
-      : queries(geo.query_block * geo.group * geo.head_dim),
-        weights(geo.query_block * geo.group * kKeyBlock),
-        scores(geo.query_block * geo.group * kKeyBlock),
-        sums(geo.query_block * geo.group * geo.head_dim),
-        maxima(geo.query_block * geo.group),
-        totals(geo.query_block * geo.group) {}
+  explicit Scratch(const Geometry& geo) : Scratch(geo, query_block(geo.group) * geo.group) {}
+  Scratch(const Geometry& geo, int64_t rows)  // rows: a task's most
+      : queries(rows * geo.head_dim),
+        weights(rows * kKeyBlock),
+        scores(rows * kKeyBlock),
+        sums(rows * geo.head_dim),
+        maxima(rows),
+        totals(rows) {}
   Scratch(Scratch&&) = default;
   ~Scratch() {
     if (!queries.empty()) at::native::cpublas::brgemm_release(true);
@@ -310,11 +310,11 @@ at::Tensor paged_prefill_tiles(at::Tensor query, at::Tensor key_cache, at::Tenso
   const int64_t page_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;
   const Geometry geo{num_heads, group, head_dim, page_size, num_kv_heads, window,
-                     static_cast<float>(scale), query_block(group)};
+                     static_cast<float>(scale)};
   int64_t out_first = 0, out_end = 0;
   const std::vector<Task> tasks =
       brigade_cpu::prefill_tasks(chunks, block_tables, query.size(0), page_size, num_kv_heads,
-                                 geo.query_block, window, out_first, out_end);
+                                 query_block(group), window, out_first, out_end);
   const int64_t* spec = chunks.data_ptr<int64_t>();
   const int64_t num_chunks = chunks.size(0);
   std::vector<int64_t> packed_at(num_chunks + 1, 0);  // each chunk's first packed value
