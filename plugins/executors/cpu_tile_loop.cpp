@@ -14,6 +14,7 @@
 
 #include "cpu_tiles.h"
 
+#include "../attention/cpu_tasks.h"
 #include "../attention/cpu_vec.h"
 
 #include <ATen/native/CPUBlas.h>
@@ -142,9 +143,10 @@ struct Units {
 // the loads run under the products; a unit's sums go to one of two buffers and are rounded
 // into the output under the next unit's products.
 void run_units(const Units& t, std::vector<float>& buffers, const brigade_cpu::Ahead& ahead,
-               int64_t per_step) {
+               int64_t per_step, brigade_cpu::StealableRuns* runs, int64_t run) {
   const Gemm& g = t.g;
-  const int64_t steps = g.in_features / kStep, units = t.count();
+  const int64_t steps = g.in_features / kStep, per_block = t.groups * t.halves();
+  int64_t units = t.count();
   const int64_t pair_bytes = g.width * 4, ld = g.width * 4, unit_sums = kGroupRows * g.width;
   int64_t group = 0, block = 0, half = 0, lda = 0;
   t.unit(0, group, block, half);
@@ -168,7 +170,11 @@ void run_units(const Units& t, std::vector<float>& buffers, const brigade_cpu::A
       bool more = true;
       if (next_step == steps) {
         next_step = 0;
-        more = u + 1 < units;
+        // A block's first unit: the thread's only if it still gets the block.
+        more = u + 1 < units &&
+               ((u + 1) % per_block != 0 || runs == nullptr ||
+                runs->take_front(run) == t.first + (u + 1) / per_block);
+        if (!more) units = u + 1;
         if (more) {
           t.unit(u + 1, group, block, half);
           next_a = t.rows(group, next_lda);
@@ -216,7 +222,8 @@ bool tile_loop_runs(const Gemm& g) {
   return g.in_features > 0 && g.in_features % kStep == 0 && tiles_permitted();
 }
 
-void tile_loop(const Gemm& g, int64_t first, int64_t last) {
+void tile_loop(const Gemm& g, int64_t first, int64_t last, brigade_cpu::StealableRuns* runs,
+               int64_t run) {
   at::native::cpublas::brgemm_release(true);  // cpublas loads its own tile layout next time
   configure_tiles();
   const int64_t K = g.in_features;
@@ -238,7 +245,8 @@ void tile_loop(const Gemm& g, int64_t first, int64_t last) {
   const brigade_cpu::Ahead ahead{
       reinterpret_cast<const char*>(g.blocks + (first + 1) * K * g.width),
       (last - first - 1) * block_lines};
-  run_units(units, buffers, ahead, (block_lines * (last - first) + steps - 1) / steps);
+  run_units(units, buffers, ahead, (block_lines * (last - first) + steps - 1) / steps, runs,
+            run);
   _tile_release();
 }
 
@@ -252,7 +260,7 @@ namespace brigade_tiles {
 
 bool tile_loop_runs(const Gemm&) { return false; }
 
-void tile_loop(const Gemm&, int64_t, int64_t) {
+void tile_loop(const Gemm&, int64_t, int64_t, brigade_cpu::StealableRuns*, int64_t) {
   TORCH_CHECK(false, "tile_loop: this build does not target AMX");
 }
 

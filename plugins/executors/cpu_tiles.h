@@ -7,6 +7,10 @@
 
 #include <cstdint>
 
+namespace brigade_cpu {
+class StealableRuns;
+}
+
 namespace brigade_tiles {
 
 using BFloat16 = c10::BFloat16;
@@ -43,7 +47,10 @@ void store_block(const Gemm& g, const float* sums, int64_t row, int64_t count, i
 // kernel, K in whole steps of 32 (and not 0). Else cpublas' micro-kernel does.
 bool tile_loop_runs(const Gemm& g);
 
-// Blocks [first, last) of the output, all rows, on this thread (where tile_loop_runs).
-void tile_loop(const Gemm& g, int64_t first, int64_t last);
+// Blocks [first, last) of the output, all rows, on this thread (where tile_loop_runs). With
+// `runs`, block `first` is this thread's and each later one only once runs->take_front(run)
+// hands it over: the loop ends at the first the thread does not get (another took it).
+void tile_loop(const Gemm& g, int64_t first, int64_t last,
+               brigade_cpu::StealableRuns* runs = nullptr, int64_t run = 0);
 
 }  // namespace brigade_tiles

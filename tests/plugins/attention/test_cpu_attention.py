@@ -174,6 +174,26 @@ def test_rows_of_unequal_lengths_are_shared_out_by_keys(kernel: object, threads:
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
 
 
+def test_rows_another_thread_takes_over_give_the_same_bits(kernel: object) -> None:
+    # A thread done with its run takes the last rows of another's (cpu_tasks.h). Six threads
+    # on this machine's cores start and finish at different times, so which thread attends to
+    # which row changes from call to call: every call equals the one-thread result bit for bit.
+    lengths = [3 + 37 * i % 300 for i in range(60)]
+    query, keys, values, tables, seq_lens = _paged_case(
+        lengths, heads=8, kv_heads=2, head_dim=64, page_size=16, seed=11
+    )
+    query, keys, values = query.bfloat16(), keys.bfloat16(), values.bfloat16()
+
+    def call() -> torch.Tensor:
+        return kernel(query, keys, values, tables, seq_lens, 0, 0.125)  # type: ignore[operator, no-any-return]
+
+    alone = _on_threads(1, call)
+    for _ in range(20):
+        assert torch.equal(_on_threads(6, call), alone)
+    expected = _reference(query.float(), keys, values, tables, seq_lens, 0, 0.125)
+    torch.testing.assert_close(alone.float(), expected, atol=1e-5, rtol=2**-8)
+
+
 @pytest.mark.parametrize("head_dim", [64, 36])
 def test_a_bfloat16_query_is_computed_in_float32_and_rounded_once(
     kernel: object, head_dim: int

@@ -260,6 +260,33 @@ def test_the_tile_gemm_takes_every_row_count_and_width(
 
 
 @TILES
+@pytest.mark.parametrize("rows", [1, 40, 128])
+def test_tile_blocks_another_thread_takes_over_give_the_same_bits(rows: int) -> None:
+    """A thread done with its share of the blocks takes the last blocks of another's (paired
+    ones too); six threads on this machine's cores change from call to call which thread
+    computes which block: every call equals the one-thread result bit for bit."""
+    torch.manual_seed(rows)
+    ops = cpu_gemm._panel_ops()
+    weight = (torch.randn(1000, 256) / 16).bfloat16()
+    x = torch.randn(rows, 256).bfloat16()
+    blocks, paired = ops.tile_pack(weight), ops.tile_pack(weight, True)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = ops.tile_linear(x, blocks, None, 1000)
+        alone_silu = ops.tile_silu_mul(x, paired, None, 500)
+        torch.set_num_threads(6)
+        for _ in range(20):
+            assert torch.equal(ops.tile_linear(x, blocks, None, 1000), alone)
+            assert torch.equal(ops.tile_silu_mul(x, paired, None, 500), alone_silu)
+    finally:
+        torch.set_num_threads(previous)
+    expected = F.linear(x.float(), weight.float())
+    torch.testing.assert_close(alone, expected.bfloat16(), atol=1e-5, rtol=2**-7)
+    assert torch.equal(alone_silu, ops.silu_mul(alone))
+
+
+@TILES
 @pytest.mark.parametrize(
     ("rows", "out_features", "in_features"),
     [(1100, 2048, 64), (1100, 2000, 96), (2100, 1100, 96), (700, 40, 4096)],
