@@ -32,8 +32,9 @@ void run_tasks(int64_t num_tasks, const MakeScratch& make_scratch, const Body& b
 // Runs of consecutive tasks, one a thread, that a thread done with its own may take the last
 // tasks of: each owner walks its run from the front (the order its read-ahead follows), and a
 // thief takes the back half of what is left of the fullest run. Runs of equal work do not end
-// together: in the small Llama's mixed workload the thread that finished first waited ~7% of
-// its step time for the other (memory and cache luck, not the split), the gap stealing closes.
+// together: in the small Llama's mixed workload the thread that finished a tile GEMM call first
+// waited 7-9% of it for the other (memory and cache luck: either thread), and idle time in
+// these calls fell from 4-5% to 1.6% with stealing (docs/benchmarks.md).
 class StealableRuns {
  public:
   // Run r: tasks [bounds[r], bounds[r + 1]).
