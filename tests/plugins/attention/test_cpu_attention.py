@@ -176,8 +176,9 @@ def test_rows_of_unequal_lengths_are_shared_out_by_keys(kernel: object, threads:
 
 def test_rows_another_thread_takes_over_give_the_same_bits(kernel: object) -> None:
     # A thread done with its run takes the last rows of another's (cpu_tasks.h). Six threads
-    # on this machine's cores start and finish at different times, so which thread attends to
-    # which row changes from call to call: every call equals the one-thread result bit for bit.
+    # (more than CI's two cores) start and finish at different times, so which thread attends
+    # to which row changes from call to call: every call equals the one-thread result bit for
+    # bit.
     lengths = [3 + 37 * i % 300 for i in range(60)]
     query, keys, values, tables, seq_lens = _paged_case(
         lengths, heads=8, kv_heads=2, head_dim=64, page_size=16, seed=11

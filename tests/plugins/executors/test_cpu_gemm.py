@@ -263,7 +263,7 @@ def test_the_tile_gemm_takes_every_row_count_and_width(
 @pytest.mark.parametrize("rows", [1, 40, 128])
 def test_tile_blocks_another_thread_takes_over_give_the_same_bits(rows: int) -> None:
     """A thread done with its share of the blocks takes the last blocks of another's (paired
-    ones too); six threads on this machine's cores change from call to call which thread
+    ones too); six threads (more than CI's two cores) change from call to call which thread
     computes which block: every call equals the one-thread result bit for bit."""
     torch.manual_seed(rows)
     ops = cpu_gemm._panel_ops()
