@@ -155,7 +155,6 @@ void run_units(const Units& t, std::vector<float>& buffers, const brigade_cpu::A
   int64_t group = 0, block = 0, half = 0, lda = 0;
   t.unit(0, group, block, half);
   const BFloat16* a = t.rows(group, lda);
-  bool lower = t.upper_empty(group);  // this unit's A is one tile (tiles 1, 6, 7 unused)
   int buffer = 0;
   int64_t stream_step = 0;  // steps over k so far, all units
   Pending pending;
@@ -164,12 +163,12 @@ void run_units(const Units& t, std::vector<float>& buffers, const brigade_cpu::A
   _tile_zero(6);
   _tile_zero(7);
   _tile_loadd(0, a, lda * 2);
-  if (!lower) _tile_loadd(1, a + kTile * lda, lda * 2);
+  if (!t.upper_empty(group)) _tile_loadd(1, a + kTile * lda, lda * 2);
   _tile_loadd(2, t.weights(block, half, 0), pair_bytes);
   _tile_loadd(3, t.weights(block, half, 0) + 64, pair_bytes);
   for (int64_t u = 0; u < units; ++u) {
     const int64_t this_group = group, this_block = block, this_half = half;
-    const bool this_lower = lower;
+    const bool this_lower = t.upper_empty(group);  // one A tile: tiles 1, 6, 7 unused
     for (int64_t step = 0; step < steps; ++step) {
       int64_t next_step = step + 1, next_lda = lda;
       const BFloat16* next_a = a;
@@ -184,7 +183,6 @@ void run_units(const Units& t, std::vector<float>& buffers, const brigade_cpu::A
         if (more) {
           t.unit(u + 1, group, block, half);
           next_a = t.rows(group, next_lda);
-          lower = t.upper_empty(group);
         }
       }
       _tile_dpbf16ps(4, 0, 2);
@@ -195,7 +193,9 @@ void run_units(const Units& t, std::vector<float>& buffers, const brigade_cpu::A
       if (!this_lower) _tile_dpbf16ps(7, 1, 3);
       if (more) {
         _tile_loadd(3, t.weights(block, half, next_step) + 64, pair_bytes);
-        if (!lower) _tile_loadd(1, next_a + kTile * next_lda + next_step * kStep, next_lda * 2);
+        if (!t.upper_empty(group)) {  // the next step's unit (this one's, or the next)
+          _tile_loadd(1, next_a + kTile * next_lda + next_step * kStep, next_lda * 2);
+        }
       }
       a = next_a;
       lda = next_lda;
@@ -238,11 +238,13 @@ void tile_loop(const Gemm& g, int64_t first, int64_t last, brigade_cpu::Stealabl
   const int64_t K = g.in_features;
   thread_local std::vector<float> buffers;
   buffers.resize(static_cast<size_t>(2 * kGroupRows * g.width));
-  // The last group of rows, when short, zero-padded to a whole group (tiles read 16 rows).
+  // The last group of rows, when short, zero-padded to the tiles it fills (tiles read 16
+  // rows; one tile where it holds 16 rows or fewer, see Units::upper_empty).
   const int64_t whole = g.rows / kGroupRows * kGroupRows;
   thread_local std::vector<BFloat16> tail;
   if (whole < g.rows) {
-    tail.assign(static_cast<size_t>(kGroupRows * K), BFloat16(0));
+    const int64_t padded = g.rows - whole <= kTile ? kTile : kGroupRows;
+    tail.assign(static_cast<size_t>(padded * K), BFloat16(0));
     for (int64_t r = whole; r < g.rows; ++r) {
       std::copy(g.x + r * g.x_stride, g.x + r * g.x_stride + K, tail.data() + (r - whole) * K);
     }
