@@ -168,7 +168,7 @@ void run_units(const Units& t, std::vector<float>& buffers, const brigade_cpu::A
   _tile_loadd(3, t.weights(block, half, 0) + 64, pair_bytes);
   for (int64_t u = 0; u < units; ++u) {
     const int64_t this_group = group, this_block = block, this_half = half;
-    const bool this_lower = t.upper_empty(group);  // one A tile: tiles 1, 6, 7 unused
+    const bool this_upper_empty = t.upper_empty(group);  // one A tile: tiles 1, 6, 7 unused
     for (int64_t step = 0; step < steps; ++step) {
       int64_t next_step = step + 1, next_lda = lda;
       const BFloat16* next_a = a;
@@ -186,11 +186,11 @@ void run_units(const Units& t, std::vector<float>& buffers, const brigade_cpu::A
         }
       }
       _tile_dpbf16ps(4, 0, 2);
-      if (!this_lower) _tile_dpbf16ps(6, 1, 2);
+      if (!this_upper_empty) _tile_dpbf16ps(6, 1, 2);
       if (more) _tile_loadd(2, t.weights(block, half, next_step), pair_bytes);
       _tile_dpbf16ps(5, 0, 3);
       if (more) _tile_loadd(0, next_a + next_step * kStep, next_lda * 2);
-      if (!this_lower) _tile_dpbf16ps(7, 1, 3);
+      if (!this_upper_empty) _tile_dpbf16ps(7, 1, 3);
       if (more) {
         _tile_loadd(3, t.weights(block, half, next_step) + 64, pair_bytes);
         if (!t.upper_empty(group)) {  // the next step's unit (this one's, or the next)
@@ -208,7 +208,7 @@ void run_units(const Units& t, std::vector<float>& buffers, const brigade_cpu::A
     _tile_zero(4);
     _tile_stored(5, sums + kTile, ld);
     _tile_zero(5);
-    if (!this_lower) {  // else never written: still zero, and its rows are not stored
+    if (!this_upper_empty) {  // else never written: still zero, and its rows are not stored
       _tile_stored(6, sums + kTile * g.width, ld);
       _tile_zero(6);
       _tile_stored(7, sums + kTile * g.width + kTile, ld);
