@@ -72,6 +72,38 @@ def figures(workload: dict[str, Any], result: dict[str, Any]) -> dict[str, float
     return {"tokens_per_s": result["output_tokens"] / statistics.median(seconds)}
 
 
+def per_run(workload: dict[str, Any], result: dict[str, Any]) -> list[float]:
+    """Each timed run's time: its seconds, or (latency) its decode seconds per token."""
+    if workload["kind"] != "latency":
+        return list(result["seconds"])
+    n = workload["runs"][0]["output_lens"][0]
+    return [
+        (full - first) / max(1, n - 1)
+        for full, first in zip(result["seconds"], result["first_token_seconds"], strict=True)
+    ]
+
+
+def turn_ratios(
+    workload: dict[str, Any], brigade: dict[str, Any], peer: dict[str, Any]
+) -> list[float]:
+    """Brigade's lead in each turn: the peer's time over Brigade's, run by run. Taking turns,
+    run i of every engine falls in the same minutes, so each ratio sees one mood of the
+    machine, where the ratio of medians can pair a fast minute of one engine with a slow one
+    of the other (one engine's turns spread by up to half on a noisy host). Every run of a
+    workload makes the same number of tokens (EOS ignored), so times compare as rates do."""
+    return [
+        theirs / ours
+        for ours, theirs in zip(per_run(workload, brigade), per_run(workload, peer), strict=False)
+    ]
+
+
+def describe_ratios(ratios: list[float]) -> str:
+    """``; turns 1.31x (1.20-1.48)``: the median of the turns' ratios and their range."""
+    if len(ratios) < 2:
+        return ""
+    return f"; turns {statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
+
+
 @dataclasses.dataclass
 class Measurements:
     """Everything the engines' runs produced, per workload and engine."""
@@ -130,15 +162,19 @@ def render_table(
     if latency:
         lines = [
             "| engine | decode ms/token | total ms/token (incl. prefill) | first token ms "
-            f"| engine / Brigade | {checked} |",
+            f"| engine / Brigade; turn by turn | {checked} |",
             "|---|---|---|---|---|---|",
         ]
     else:
         lines = [
-            f"| engine | tok/s | runs (s) | Brigade / engine | {checked} |",
+            f"| engine | tok/s | runs (s) | Brigade / engine; turn by turn | {checked} |",
             "|---|---|---|---|---|",
         ]
     ours = rows.get("brigade")
+
+    def turns(name: str) -> str:
+        return describe_ratios(turn_ratios(workload, results["brigade"], results[name]))
+
     for name, engine in engines.items():
         if name not in rows:
             if name in found.errors[name_of_workload]:
@@ -153,7 +189,9 @@ def render_table(
         if latency:
             ms = row["decode_ms_per_token"]
             ratio = (
-                f"{ms / ours['decode_ms_per_token']:.2f}x" if ours and name != "brigade" else "—"
+                f"{ms / ours['decode_ms_per_token']:.2f}x" + turns(name)
+                if ours and name != "brigade"
+                else "—"
             )
             lines.append(
                 f"| {engine.label} | {ms:.2f}{mark} | {row['total_ms_per_token']:.2f} | "
@@ -161,7 +199,11 @@ def render_table(
             )
         else:
             rate = row["tokens_per_s"]
-            ratio = f"{ours['tokens_per_s'] / rate:.2f}x" if ours and name != "brigade" else "—"
+            ratio = (
+                f"{ours['tokens_per_s'] / rate:.2f}x" + turns(name)
+                if ours and name != "brigade"
+                else "—"
+            )
             runs = " ".join(f"{s:.3g}" for s in results[name]["seconds"])
             lines.append(f"| {engine.label} | {rate:.1f}{mark} | {runs} | {ratio} | {verdict} |")
     return lines

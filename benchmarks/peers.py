@@ -18,8 +18,9 @@ AMX): weights, activations and KV cache.
 
 The engines run side by side, taking turns (``benchmarks/peer_turns.py``): all are loaded, then
 each warm-up and each timed run goes to them in turn while the others are stopped, so that
-the machine's drift over minutes (25-30% seen here) slows them alike; ``--no-interleave`` runs
-them one after the other instead. A peer whose venv is missing is skipped with a line saying
+the machine's drift over minutes (25-30% seen here) slows them alike, and the report gives
+Brigade's lead turn by turn besides the ratio of the medians; ``--no-interleave`` runs them one
+after the other instead. A peer whose venv is missing is skipped with a line saying
 so; one that crashes or runs past ``--timeout`` is reported with its log's tail, and the
 others still run.
 
@@ -75,7 +76,15 @@ from pathlib import Path
 from typing import Any
 
 from peer_checks import Reference, Verdict, check_workload
-from peer_report import Measurements, cpu_summary, figures, git_revision, record, report
+from peer_report import (
+    Measurements,
+    cpu_summary,
+    figures,
+    git_revision,
+    record,
+    report,
+    turn_ratios,
+)
 from peer_setup import (
     DRIVERS,
     ENGINES,
@@ -403,7 +412,11 @@ def as_json(
             for engine, result in found.results[name].items()
         }
         brigade = engines.get("brigade", {})
+        ours = found.results[name].get("brigade")
         for engine, row in engines.items():
+            if engine != "brigade" and ours is not None:
+                theirs = found.results[name][engine]
+                row["turn_ratios"] = turn_ratios(workload, ours, theirs)
             if engine != "brigade" and "tokens_per_s" in brigade:
                 row["brigade_ratio"] = brigade["tokens_per_s"] / row["tokens_per_s"]
             elif engine != "brigade" and "decode_ms_per_token" in brigade:
