@@ -60,12 +60,8 @@ def figures(workload: dict[str, Any], result: dict[str, Any]) -> dict[str, float
     seconds = result["seconds"]
     if workload["kind"] == "latency":
         n = workload["runs"][0]["output_lens"][0]
-        decode = [
-            (full - first) / max(1, n - 1)
-            for full, first in zip(seconds, result["first_token_seconds"], strict=True)
-        ]
         return {
-            "decode_ms_per_token": 1000 * statistics.median(decode),
+            "decode_ms_per_token": 1000 * statistics.median(per_run(workload, result)),
             "total_ms_per_token": 1000 * statistics.median(seconds) / n,
             "first_token_ms": 1000 * statistics.median(result["first_token_seconds"]),
         }
