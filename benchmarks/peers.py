@@ -411,16 +411,16 @@ def as_json(
             }
             for engine, result in found.results[name].items()
         }
-        brigade = engines.get("brigade", {})
-        ours = found.results[name].get("brigade")
+        brigade = engines.get("brigade")
         for engine, row in engines.items():
-            if engine != "brigade" and ours is not None:
-                theirs = found.results[name][engine]
-                row["turn_ratios"] = turn_ratios(workload, ours, theirs)
-            if engine != "brigade" and "tokens_per_s" in brigade:
+            if engine == "brigade" or brigade is None:
+                continue
+            if "tokens_per_s" in brigade:
                 row["brigade_ratio"] = brigade["tokens_per_s"] / row["tokens_per_s"]
-            elif engine != "brigade" and "decode_ms_per_token" in brigade:
+            else:
                 row["brigade_ratio"] = row["decode_ms_per_token"] / brigade["decode_ms_per_token"]
+            results = found.results[name]
+            row["turn_ratios"] = turn_ratios(workload, results["brigade"], results[engine])
         per_workload[name] = {
             "description": describe_workload(workload, name in PREFIX_WORKLOADS),
             "engines": engines,
