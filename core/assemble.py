@@ -246,6 +246,16 @@ def kv_pool_pages(executor: Executor, config: EngineConfig) -> int:
     spec = executor.kv_cache_spec()
     if kv.num_pages:
         num_pages = kv.num_pages
+        # brigade.limits held the pool to the machine's memory; this holds it to what the
+        # executor has free after the weights, before the pool is allocated.
+        if num_pages * spec.bytes_per_page > spec.available_bytes:
+            raise ConfigError(
+                f"{config.source}: [kv] num_pages = {num_pages} would need "
+                f"{num_pages * spec.bytes_per_page / GIB:.2f} GiB for the KV pool; executor "
+                f"{config.plugin('executor')!r} has {spec.available_bytes / GIB:.2f} GiB free "
+                f"after the weights, room for {spec.available_bytes // spec.bytes_per_page} "
+                "pages: lower num_pages, or set 0 to size the pool from the memory free"
+            )
     else:
         budget = min(spec.available_bytes * kv.memory_fraction, kv.max_memory_gib * GIB)
         # More than every sequence at full length could ever hold is memory wasted.

@@ -344,7 +344,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.prompts_file:
         try:
             lines = Path(args.prompts_file).read_text(encoding="utf-8").splitlines()
-        except OSError as exc:
+        except (OSError, UnicodeDecodeError) as exc:
             raise BrigadeError(f"cannot read --prompts-file: {exc}") from exc
         prompts += [line for line in lines if line.strip()]
     if not prompts:

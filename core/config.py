@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import sys
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -17,6 +18,9 @@ from typing import Any
 from brigade.device_defaults import machine_defaults
 from brigade.errors import ConfigError, ModelLoadError, UnknownComponentError
 from brigade.interfaces import Checkpoint, PageSizeRule
+from brigade.limits import check_process_counts, executor_models_time
+from brigade.memory_limits import check_memory
+from brigade.models.tensor_shapes import check_weights_match_config, require_weights
 from brigade.options import build_options, unknown_key_error
 from brigade.registry import Registry
 from brigade.stations import STATIONS, Station
@@ -141,9 +145,11 @@ def check_config(
     """Cross-station checks that need no model weights; returns notes for the user.
 
     Raises ``ConfigError`` when stations disagree (e.g. a page size the attention backend
-    cannot read) and ``ModelLoadError`` for a model that loading would refuse: a missing or
-    unreadable file, an unsupported architecture, tensor type or config value, a tokenizer or
-    chat template that cannot be built. ``checkpoint`` is the already opened model, if any.
+    cannot read) or ask this machine for more processes or memory than it has
+    (``brigade.limits``, ``brigade.memory_limits``), and ``ModelLoadError`` for a model that
+    loading would refuse: a missing or unreadable file, a config.json that disagrees with its
+    weights, an unsupported architecture, tensor type or config value, a tokenizer or chat
+    template that cannot be built. ``checkpoint`` is the already opened model, if any.
     """
     notes: list[str] = []
     page_size = config["kv"].settings.page_size
@@ -161,11 +167,13 @@ def check_config(
                 f"{chosen.plugin!r}; it needs {rule.describe()}"
             )
     _check_speculative(config, registry)
+    check_process_counts(config, registry)
     from brigade.models.checkpoint import open_checkpoint
 
     settings = config["model"].settings
     checkpoint = checkpoint or open_checkpoint(settings.path, chat_template=settings.chat_template)
     notes.append(f"model: {_check_model(config, registry, checkpoint)}")
+    check_memory(config, registry, checkpoint)
     draft = _check_proposer_model(config, registry, checkpoint)
     if draft is not None:
         notes.append(f"draft model: {draft}")
@@ -222,9 +230,15 @@ def check_draft_model(
         )
     try:
         checkpoint = open_checkpoint(path)
+        check_weights_match_config(checkpoint)
     except ModelLoadError as exc:
         raise ModelLoadError(f"{where}: {exc}") from None
     _check_architecture(where, checkpoint, registry)
+    if not executor_models_time(config, registry):
+        try:
+            require_weights(checkpoint)
+        except ModelLoadError as exc:
+            raise ModelLoadError(f"{where}: {exc}") from None
     _check_same_tokenizer(where, served, checkpoint)
     return checkpoint
 
@@ -261,7 +275,10 @@ def _check_same_tokenizer(where: str, served: Checkpoint, draft: Checkpoint) -> 
 def _check_model(config: EngineConfig, registry: Registry, checkpoint: Checkpoint) -> str:
     """Check what loading the opened model checks (no weights); describe it in one line."""
     where = f"{config.source} [model]"
+    check_weights_match_config(checkpoint)  # first: the config may describe a huge model
     _check_architecture(where, checkpoint, registry)
+    if not executor_models_time(config, registry):
+        require_weights(checkpoint)
     names = checkpoint.config.get("architectures") or ["?"]
     described = f"{checkpoint.name} ({checkpoint.format}, {names[0]}) at {checkpoint.path}"
     tokenizer = checkpoint.tokenizer()
@@ -283,14 +300,34 @@ def parse_override(text: str) -> tuple[str, dict[str, Any]]:
     station, dot, option = key.strip().partition(".")
     if not sep or not dot or not station or not option:
         raise ConfigError(f"override {text!r} must look like station.key=value")
-    return station, {option: _parse_value(raw.strip())}
+    return station, {option: _parse_value(raw.strip(), f"--set {key.strip()}")}
 
 
-def _parse_value(raw: str) -> Any:
+def _parse_value(raw: str, where: str) -> Any:
+    """``raw`` read as a TOML value, else as the string itself."""
     try:
-        return tomllib.loads(f"value = {raw}")["value"]
+        return _loads_toml(f"value = {raw}", where)["value"]
     except tomllib.TOMLDecodeError:
         return raw  # a bare word is a string: --set model.path=/models/x
+
+
+def _loads_toml(text: str, where: str) -> dict[str, Any]:
+    """``tomllib.loads``, with what it raises besides ``TOMLDecodeError`` for text a user
+    wrote (nesting deeper than Python's recursion limit, an integer of thousands of digits)
+    as the ``ConfigError`` naming ``where``."""
+    try:
+        return tomllib.loads(text)
+    except RecursionError:
+        raise ConfigError(
+            f"{where}: arrays or tables nested too deeply to read; no setting nests like that"
+        ) from None
+    except tomllib.TOMLDecodeError:
+        raise
+    except ValueError:  # int() past sys.get_int_max_str_digits()
+        raise ConfigError(
+            f"{where}: an integer of more than {sys.get_int_max_str_digits()} digits; no "
+            "setting takes such a number"
+        ) from None
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
@@ -301,7 +338,7 @@ def _read_toml(path: Path) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read config file {path}: {exc}") from exc
     try:
-        data = tomllib.loads(text)
+        data = _loads_toml(text, str(path))
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
     for name, table in data.items():
@@ -319,7 +356,7 @@ def _env_overrides(environ: Mapping[str, str]) -> dict[str, dict[str, Any]]:
         if not name.startswith(ENV_PREFIX) or "__" not in name:
             continue
         station, _, option = name[len(ENV_PREFIX) :].lower().partition("__")
-        tables.setdefault(station, {})[option] = _parse_value(raw)
+        tables.setdefault(station, {})[option] = _parse_value(raw, name)
     return tables
 
 

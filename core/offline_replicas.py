@@ -23,6 +23,7 @@ from typing import Any
 
 from brigade.config import OFFLINE_DEFAULTS, load_config
 from brigade.interfaces import ReplicaLoad, RouterParams, SamplingParams
+from brigade.limits import check_machine
 from brigade.output import RequestOutput
 from brigade.ray_actors import replicas_on_ray, require_ray, spread_actors
 from brigade.registry import default_registry
@@ -89,6 +90,7 @@ def generate_on_replicas(
     ``RAY_ADDRESS`` names, else a local one)."""
     registry = default_registry()
     config = load_config(config_path, registry, overrides=overrides, defaults=OFFLINE_DEFAULTS)
+    check_machine(config, registry)  # before any replica starts
     num_replicas = config["router"].settings.data_parallel_size
     placed = place_prompts(config, registry, prompts, num_replicas)
     threads = _threads_per_replica(config, num_replicas)

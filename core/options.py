@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import types
 import typing
@@ -13,6 +14,8 @@ from typing import Any
 from brigade.errors import ConfigError
 
 __all__ = ["build_options", "describe_type", "option_defaults", "unknown_key_error"]
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 def build_options(options_type: type, table: Mapping[str, Any], where: str) -> Any:
@@ -63,6 +66,7 @@ def unknown_key_error(where: str, key: str, allowed: list[str]) -> ConfigError:
 
 def _check_value(value: Any, annotation: Any, field: dataclasses.Field[Any], where: str) -> Any:
     value = _coerce(value, annotation, where)
+    _check_number(value, where)
     meta = field.metadata
     choices = meta.get("choices")
     if choices and value not in choices:
@@ -86,6 +90,25 @@ def _check_value(value: Any, annotation: Any, field: dataclasses.Field[Any], whe
         ):
             raise ConfigError(f"{where} = {value!r} is out of range; must be {symbol} {limit}")
     return value
+
+
+def _check_number(value: Any, where: str) -> None:
+    """Numbers a machine can hold: integers within 64 bits (what torch and the kernels take;
+    a larger one overflows deep inside them), floats that are finite; in arrays too."""
+    if isinstance(value, tuple):
+        for index, item in enumerate(value):
+            _check_number(item, f"{where}[{index}]")
+    elif (
+        isinstance(value, int)
+        and not isinstance(value, bool)
+        and not INT64_MIN <= value <= INT64_MAX
+    ):
+        raise ConfigError(
+            f"{where} = {value} is out of range; an integer setting must fit in 64 bits "
+            f"({INT64_MIN} to {INT64_MAX})"
+        )
+    elif isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{where} = {value!r} is not allowed; it must be a finite number")
 
 
 def _coerce(value: Any, annotation: Any, where: str) -> Any:

@@ -5,12 +5,13 @@ allowed. :data:`brigade.serve_flags.FLAGS` names the parser of each flag.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Callable, Sequence
 from decimal import Decimal
 from typing import Any
+
+from brigade.user_json import loads_json
 
 __all__ = [
     "token_count",
@@ -164,7 +165,7 @@ def runner(text: str) -> str:
 def pooler_config(text: str) -> str:
     """vLLM's ``--pooler-config`` JSON -> ``server.embedding_pooling``."""
     try:
-        config = json.loads(text)
+        config = loads_json(text)
     except ValueError:
         config = None
     if not isinstance(config, dict):
@@ -207,7 +208,7 @@ def speculative_config(text: str) -> dict[str, Any]:
     """vLLM's ``--speculative-config`` JSON -> the ``[speculative]`` keys it sets (``plugin``,
     the shared settings and the method's options)."""
     try:
-        config = json.loads(text)
+        config = loads_json(text)
     except ValueError:
         config = None
     if not isinstance(config, dict):

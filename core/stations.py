@@ -17,6 +17,7 @@ __all__ = [
     "ServerSettings",
     "SpeculativeSettings",
     "Station",
+    "check_api_key",
 ]
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -35,7 +36,10 @@ class ModelSettings:
         choices=DTYPES,
     )
     chat_template: str = option(
-        "", help="a Jinja chat template (file path or the template itself); '' = the model's"
+        "",
+        help="a Jinja chat template: a file path (read once at start-up; only the operator's "
+        "config names a template file, never a request) or the template itself; '' = the "
+        "model's",
     )
     generation_config: str = option(
         "auto",
@@ -53,7 +57,13 @@ class ModelSettings:
 @dataclasses.dataclass(frozen=True)
 class KVSettings:
     page_size: int = option(16, help="tokens per KV page", ge=1, le=4096)
-    num_pages: int = option(0, help="KV pool size in pages; 0 = size from memory", ge=0)
+    num_pages: int = option(
+        0,
+        help="KV pool size in pages; 0 = size from memory. A pool larger than the machine's "
+        "memory, or than the executor's free memory after the weights, is a config error "
+        "before it is allocated",
+        ge=0,
+    )
     memory_fraction: float = option(
         0.5, help="share of the memory free after loading weights given to KV", gt=0, le=1
     )
@@ -68,12 +78,17 @@ class KVSettings:
 @dataclasses.dataclass(frozen=True)
 class SchedulerSettings:
     max_num_seqs: int = option(
-        128, help="most requests in one step (the offline LLM API: 256 unless set)", ge=1
+        128,
+        help="most requests in one step (the offline LLM API: 256 unless set); each holds a "
+        "row of max_model_len token ids and one of the vocabulary's size from the start, "
+        "which must fit the machine's memory",
+        ge=1,
     )
     max_num_batched_tokens: int = option(
         2048,
         help="token budget of one step, shared by prefill chunks and decodes (the offline LLM "
-        "API: 4096 unless set)",
+        "API: 4096 unless set); one step's activations for this many tokens must fit the "
+        "machine's memory",
         ge=1,
     )
     enable_chunked_prefill: bool = option(
@@ -187,7 +202,7 @@ class ServerSettings:
     api_server_count: int = option(
         1,
         help="HTTP front-end processes sharing the port, all feeding the one engine process "
-        "(more than 1 needs engine_process = true)",
+        "(more than 1 needs engine_process = true); at most 2 per CPU core of the machine",
         ge=1,
     )
     engine_step_timeout_s: float = option(
@@ -198,6 +213,30 @@ class ServerSettings:
         ge=0,
     )
 
+    def __post_init__(self) -> None:
+        for index, key in enumerate(self.api_keys):
+            check_api_key(key, f"api_keys[{index}]")
+
+
+def check_api_key(key: str, where: str) -> None:
+    """``ValueError`` naming ``where`` unless ``key`` can be sent as a bearer token: one or
+    more visible characters. An empty key would let a request with no key at all in (an
+    absent or empty ``Authorization`` header presents the empty token); one with spaces or
+    control characters cannot travel in an HTTP header as written."""
+    if not key:
+        problem = "is empty"
+    elif key.strip() != key:
+        problem = "starts or ends with whitespace" if key.strip() else "is only whitespace"
+    elif bad := next((c for c in key if c.isspace() or not c.isprintable()), None):
+        problem = f"holds {bad!r}, which cannot be part of a bearer token"
+    else:
+        return
+    raise ValueError(
+        f"{where} = {key!r} {problem}; an API key is one or more visible characters (no "
+        "spaces, tabs, line breaks or control characters); to serve without "
+        "authentication, configure no key at all"
+    )
+
 
 @dataclasses.dataclass(frozen=True)
 class RouterSettings:
@@ -206,7 +245,9 @@ class RouterSettings:
         help="engine replicas, each with its own scheduler and KV cache, behind the router: "
         "brigade generate and brigade serve run each in its own process (a Ray actor with "
         '[executor] distributed_executor_backend = "ray"); brigade bench simulates them with '
-        "the simulated executor",
+        "the simulated executor. On this machine's CPU, data_parallel_size x [executor] "
+        "tensor_parallel_size is at most its cores (one rank per core); other local replicas "
+        "at most 2 per core",
         ge=1,
     )
 

@@ -137,6 +137,12 @@ class SamplingParams:
         )
         _require(self.n >= 1, "n", self.n, "an integer >= 1")
         _require(
+            self.seed is None or -(2**63) <= self.seed < 2**63,
+            "seed",
+            self.seed,
+            "a 64-bit integer (torch's generators take no more)",
+        )
+        _require(
             all(isinstance(s, str) and s for s in self.stop),
             "stop",
             self.stop,

@@ -19,7 +19,6 @@ Nothing is downloaded: a hub name that is not cached is refused with how to fetc
 from __future__ import annotations
 
 import importlib.metadata
-import json
 import os
 import re
 from collections.abc import Callable, Iterator, Mapping
@@ -28,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from brigade.errors import ModelLoadError
 from brigade.interfaces import Checkpoint
+from brigade.user_json import read_json_file
 
 if TYPE_CHECKING:
     import torch
@@ -251,6 +251,17 @@ class HFCheckpoint(_FileCheckpoint):
 
         yield from iter_safetensors(self.directory, dtype, device, slice_of)
 
+    def tensor_shapes(self) -> Mapping[str, tuple[int, ...]]:
+        """Every weight's shape, from the safetensors headers (no tensor data); empty for a
+        config-only directory."""
+        from brigade.models.loader import safetensors_shapes
+
+        return safetensors_shapes(self.directory)
+
+    def config_source(self, key: str) -> str:
+        """Where :attr:`config`'s ``key`` comes from, for messages."""
+        return f"{self.directory / 'config.json'} {key}"
+
     def _tokenizer_spec(self) -> TokenizerSpec | None:
         """None when the directory has no tokenizer files at all (a config-only directory,
         enough for the simulated executor)."""
@@ -281,7 +292,7 @@ class HFCheckpoint(_FileCheckpoint):
         if not file.is_file():
             return {}
         try:
-            value = json.loads(file.read_text(encoding="utf-8"))
+            value = read_json_file(file)
         except (OSError, ValueError) as exc:
             raise ModelLoadError(f"{file} is not valid JSON: {exc}") from exc
         return value if isinstance(value, dict) else {}
@@ -342,6 +353,23 @@ class GGUFCheckpoint(_FileCheckpoint):
         types = "/".join(sorted({t.type_name for t in self.file.tensors.values()}))
         with _progress(total, f"dequantizing {types}") as bar:
             yield from gguf_weights(self.file, self._config, dtype, device, on_tensor=bar.update)
+
+    def tensor_shapes(self) -> Mapping[str, tuple[int, ...]]:
+        """Every weight's shape from the tensor table, under the Hugging Face name it is
+        loaded as."""
+        from brigade.models.gguf_weights import hf_tensor_name
+
+        return {
+            name: tensor.shape
+            for tensor in self.file.tensors.values()
+            if (name := hf_tensor_name(tensor.name)) is not None
+        }
+
+    def config_source(self, key: str) -> str:
+        """The metadata key :attr:`config`'s ``key`` is read from, for messages."""
+        from brigade.models.gguf_weights import gguf_metadata_key
+
+        return f"{self.path}: {gguf_metadata_key(self.file, key)}"
 
     def _tokenizer_spec(self) -> TokenizerSpec:
         from brigade.models.gguf_tokenizer import gguf_tokenizer_spec

@@ -26,7 +26,7 @@ import torch
 from brigade.errors import ModelLoadError
 from brigade.models.gguf import GGUF_ARCHITECTURES, SUPPORTED_TENSOR_TYPES, GGUFFile, GGUFTensor
 
-__all__ = ["gguf_hf_config", "gguf_weights"]
+__all__ = ["gguf_hf_config", "gguf_metadata_key", "gguf_weights", "hf_tensor_name"]
 
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -62,6 +62,26 @@ def hf_tensor_name(name: str) -> str | None:
     if match is None or match[2] not in _LAYER_TENSORS:
         return None
     return f"model.layers.{match[1]}.{_LAYER_TENSORS[match[2]]}.{match[3]}"
+
+
+_METADATA_KEYS = {
+    "num_hidden_layers": "block_count",
+    "hidden_size": "embedding_length",
+    "intermediate_size": "feed_forward_length",
+    "num_attention_heads": "attention.head_count",
+    "num_key_value_heads": "attention.head_count_kv",
+    "head_dim": "attention.key_length",
+    "max_position_embeddings": "context_length",
+}
+"""config.json keys -> the ``<architecture>.`` metadata keys :func:`gguf_hf_config` reads."""
+
+
+def gguf_metadata_key(file: GGUFFile, key: str) -> str:
+    """The metadata key a config key of :func:`gguf_hf_config` comes from (``vocab_size``:
+    the embedding's rows)."""
+    if key in _METADATA_KEYS:
+        return f"{file.architecture}.{_METADATA_KEYS[key]}"
+    return "token_embd.weight rows" if key == "vocab_size" else key
 
 
 def gguf_hf_config(file: GGUFFile) -> dict[str, Any]:

@@ -6,7 +6,6 @@ Every problem a user can cause (a wrong path, a missing or corrupt file) raises
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -17,12 +16,14 @@ from safetensors import safe_open
 
 from brigade.errors import ModelLoadError
 from brigade.interfaces.executor import DTYPE_NAMES
+from brigade.user_json import read_json_file
 
 __all__ = [
     "DTYPES",
     "iter_safetensors",
     "read_hf_config",
     "resolve_dtype_name",
+    "safetensors_shapes",
     "weight_files",
 ]
 
@@ -44,14 +45,12 @@ def _model_dir(path: str | os.PathLike[str]) -> Path:
 
 def _read_json(file: Path, what: str) -> Any:
     try:
-        text = file.read_text(encoding="utf-8")
+        return read_json_file(file)
     except FileNotFoundError:
         raise ModelLoadError(f"{file} not found: a model directory needs {what}") from None
     except OSError as error:
         raise ModelLoadError(f"{file}: cannot read ({error})") from error
-    try:
-        return json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+    except ValueError as error:
         raise ModelLoadError(f"{file} is not valid JSON: {error}") from error
 
 
@@ -107,6 +106,24 @@ def weight_files(path: str | os.PathLike[str]) -> list[Path]:
             f"({_SINGLE_FILE} or a sharded {_INDEX_FILE})"
         )
     return files
+
+
+def safetensors_shapes(path: str | os.PathLike[str]) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape, read from the safetensors headers (no tensor data); empty for a
+    directory without weights (a config-only one, which the simulated executor reads).
+    ``ModelLoadError`` naming the file for one that is not safetensors."""
+    directory = _model_dir(path)
+    if not (directory / _INDEX_FILE).exists() and not any(directory.glob("*.safetensors")):
+        return {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in weight_files(directory):
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as handle:
+                for name in handle.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                    shapes[name] = tuple(handle.get_slice(name).get_shape())
+        except Exception as error:  # safetensors raises its own error types
+            raise ModelLoadError(f"{file} is not a valid safetensors file: {error}") from error
+    return shapes
 
 
 def iter_safetensors(

@@ -14,12 +14,12 @@ gguf_tokenizer`` turns that into the same :class:`TokenizerSpec`.
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from brigade.errors import ModelLoadError
+from brigade.user_json import read_json_file
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -80,13 +80,17 @@ def read_chat_template(value: str) -> str:
     candidate = Path(value).expanduser()
     looks_like_path = "{" not in value and len(value) < 4096
     if looks_like_path and candidate.is_file():
-        try:
-            return candidate.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as error:
-            raise ModelLoadError(f"chat template {candidate}: cannot read ({error})") from error
+        return _read_template(candidate)
     if looks_like_path and ("/" in value or value.endswith((".jinja", ".j2", ".txt"))):
         raise ModelLoadError(f"chat template file {candidate} does not exist")
     return value
+
+
+def _read_template(file: Path) -> str:
+    try:
+        return file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise ModelLoadError(f"chat template {file}: cannot read ({error})") from error
 
 
 def render_chat_prompt(
@@ -148,8 +152,8 @@ def _read_json_object(file: Path) -> dict[str, Any]:
     if not file.is_file():
         return {}
     try:
-        value = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        value = read_json_file(file)
+    except (OSError, ValueError) as error:
         raise ModelLoadError(f"{file} is not valid JSON: {error}") from error
     if not isinstance(value, dict):
         raise ModelLoadError(f"{file}: expected a JSON object, got {type(value).__name__}")
@@ -168,7 +172,7 @@ def _token_text(value: Any) -> str | None:
 def _directory_chat_template(directory: Path, config: Mapping[str, Any]) -> str | None:
     jinja = directory / "chat_template.jinja"
     if jinja.is_file():
-        return jinja.read_text(encoding="utf-8")
+        return _read_template(jinja)
     template_json = _read_json_object(directory / "chat_template.json")
     template: Any = template_json.get("chat_template", config.get("chat_template"))
     if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}]

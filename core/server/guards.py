@@ -68,7 +68,9 @@ def authenticate(request: Request[Any, Any, Any], settings: ServerSettings) -> N
     for index, key in enumerate(settings.api_keys):
         if hmac.compare_digest(presented, key.encode()):
             matched = index
-    if matched is None:
+    # An empty token opens nothing, even beside an empty key: the settings refuse such a
+    # key, and this holds where they were bypassed.
+    if matched is None or not presented:
         raise AuthenticationError()
     request.state[CLIENT_KEY] = f"key:{matched}"
 

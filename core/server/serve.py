@@ -13,6 +13,7 @@ from brigade.config import EngineConfig, load_config
 from brigade.engine import EngineCore
 from brigade.errors import BrigadeError, ConfigError
 from brigade.interfaces import Checkpoint
+from brigade.limits import check_machine
 from brigade.models.checkpoint import require_tokenizer
 from brigade.registry import Registry, default_registry
 from brigade.server.app import ServerState, create_app
@@ -117,6 +118,11 @@ def serve(config_path: str | None, overrides: list[str]) -> int:
         )
     # Take the port before loading the model: a busy port fails in a second, not a minute.
     sock = _listen(settings.host, settings.port)
+    try:  # processes, the model's files against its config, memory: before any process starts
+        check_machine(config, registry)
+    except BrigadeError:
+        sock.close()
+        raise
     if settings.engine_process:
         from brigade.server.processes import supervise
 

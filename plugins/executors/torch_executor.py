@@ -16,6 +16,7 @@ import torch
 
 from brigade.interfaces import (
     CausalLM,
+    ConfigError,
     Executor,
     ExecutorParams,
     KVCacheSpec,
@@ -116,7 +117,9 @@ class TorchExecutorOptions:
         "device on CUDA): attention heads, KV heads, MLP columns and the vocabulary are "
         "divided, and each rank reads only its slices of the weights. The model's attention "
         "heads and intermediate_size must divide by it, and its KV heads divide by it or it "
-        "by them (KV heads are then replicated); not with compile (docs/distributed.md)",
+        "by them (KV heads are then replicated); not with compile (docs/distributed.md). On "
+        "a CPU, one rank per core: data_parallel_size x tensor_parallel_size is at most the "
+        "machine's cores",
         ge=1,
     )
     distributed_executor_backend: str = option(
@@ -543,8 +546,9 @@ def _max_model_len(requested: int, hf_config: dict[str, object]) -> int:
             )
         return limit
     if isinstance(limit, int) and requested > limit:
-        raise ValueError(
-            f"max_model_len {requested} exceeds the model's max_position_embeddings {limit}"
+        raise ConfigError(
+            f"[model] max_model_len {requested} exceeds the model's max_position_embeddings "
+            f"{limit}; allowed: up to {limit}, or 0 for the model's own limit"
         )
     return requested
 

@@ -16,6 +16,13 @@ from brigade.plugins.models.rope import RopeConfig, parse_rope_config
 __all__ = ["DecoderConfig", "Family", "parse_decoder_config"]
 
 SUPPORTED_ACTIVATIONS = ("silu",)
+MAX_SIZE = 2**31 - 1
+"""The largest count or size a config key may give (heads, widths, positions): a tensor
+dimension of a real model is far below it, and past it sizes multiply beyond what torch
+indexes."""
+MAX_LAYERS = 1 << 16
+"""The most layers a config may give: real models have a few hundred at most, and the decoder
+keeps a per-layer entry (its sliding window) for each before anything is built."""
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
@@ -95,7 +102,7 @@ def parse_decoder_config(hf_config: Mapping[str, Any], family: Family) -> Decode
     rms_norm_eps = float(hf_config.get("rms_norm_eps", 1e-6))
     if rms_norm_eps <= 0:
         raise ValueError(f"rms_norm_eps must be > 0, got {rms_norm_eps}")
-    num_layers = _positive_int(hf_config, "num_hidden_layers")
+    num_layers = _positive_int(hf_config, "num_hidden_layers", maximum=MAX_LAYERS)
     attention_bias = bool(hf_config.get("attention_bias", False))
     max_positions = _positive_int(
         hf_config, "max_position_embeddings", default=family.default_max_positions
@@ -119,14 +126,16 @@ def parse_decoder_config(hf_config: Mapping[str, Any], family: Family) -> Decode
     )
 
 
-def _positive_int(hf_config: Mapping[str, Any], key: str, default: int | None = None) -> int:
+def _positive_int(
+    hf_config: Mapping[str, Any], key: str, default: int | None = None, maximum: int = MAX_SIZE
+) -> int:
     value = hf_config.get(key)
     if value is None:
         if default is None:
             raise ValueError(f"config.json has no {key!r}; it must be a positive integer")
         return default
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{key} must be a positive integer, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= maximum:
+        raise ValueError(f"{key} must be a positive integer up to {maximum}, got {value!r}")
     return value
 
 

@@ -204,8 +204,11 @@ def test_check_reads_the_model_directory_without_loading_weights(
         check_config(load_config(path, registry), registry)
     config = (create_model(tmp_path / "llama", "llama") / "config.json").read_text()
     (model_dir / "config.json").write_text(config)  # a valid config, and no weights at all
-    notes = check_config(load_config(path, registry), registry)
+    simulated = ["executor.plugin=simulated"]  # it reads the config alone
+    notes = check_config(load_config(path, registry, overrides=simulated), registry)
     assert any("LlamaForCausalLM" in n for n in notes)
+    with pytest.raises(ModelLoadError, match=r"no \*\.safetensors in"):  # torch loads them
+        check_config(load_config(path, registry), registry)
 
 
 def test_config_check_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

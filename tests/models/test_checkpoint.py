@@ -132,9 +132,9 @@ def test_chat_template_sources_in_order(v5_dir: Path, tmp_path: Path) -> None:
 def test_config_check_catches_what_loading_would_refuse(
     v5_dir: Path, tmp_path: Path, registry: Registry
 ) -> None:
-    def check(folder: Path) -> list[str]:
+    def check(folder: Path, *overrides: str) -> list[str]:
         return check_config(
-            load_config(None, registry, overrides=[f"model.path={folder}"]), registry
+            load_config(None, registry, overrides=[f"model.path={folder}", *overrides]), registry
         )
 
     assert "llama" in check(v5_dir)[-1].lower()
@@ -154,8 +154,11 @@ def test_config_check_catches_what_loading_would_refuse(
     with pytest.raises(ConfigError, match="GPT2LMHeadModel is not supported; supported: "):
         check(odd)
     (odd / "config.json").write_text(json.dumps({**config, "vocab_size": 100}))
-    with pytest.raises(ModelLoadError, match=r"tokenizer has \d+ tokens but the model only 100"):
+    with pytest.raises(ModelLoadError, match=r"vocab_size = 100, but the embedding .* \d+ rows"):
         check(odd)
+    (odd / "model.safetensors").unlink()  # config only: the tokenizer is what disagrees now
+    with pytest.raises(ModelLoadError, match=r"tokenizer has \d+ tokens but the model only 100"):
+        check(odd, "executor.plugin=simulated")
 
 
 def test_a_config_only_folder_serves_token_ids_only(tmp_path: Path, registry: Registry) -> None:
@@ -165,8 +168,12 @@ def test_a_config_only_folder_serves_token_ids_only(tmp_path: Path, registry: Re
     (folder / "config.json").write_text(json.dumps(config))
     checkpoint = open_checkpoint(str(folder))
     assert checkpoint.tokenizer() is None
-    notes = check_config(load_config(None, registry, overrides=[f"model.path={folder}"]), registry)
+    simulated = [f"model.path={folder}", "executor.plugin=simulated"]
+    notes = check_config(load_config(None, registry, overrides=simulated), registry)
     assert "no tokenizer (token-id prompts only)" in notes[-1]
+    # An executor that loads weights would build the model before finding none: refused now.
+    with pytest.raises(ModelLoadError, match=r"no \*\.safetensors in .*shape"):
+        check_config(load_config(None, registry, overrides=[f"model.path={folder}"]), registry)
 
 
 def test_hub_names_come_from_the_local_cache_only(

@@ -112,10 +112,12 @@ def test_several_front_ends_need_the_engine_process() -> None:
 
 
 def test_a_model_that_cannot_load_is_a_startup_error_with_status_2(tmp_path: Path) -> None:
-    """The engine and the front end each say why in one line; nothing is left behind."""
-    missing = tmp_path / "no-such-model"
+    """The engine and the front end each say why in one line; nothing is left behind. (A
+    missing model is refused before they start: this one's tokenizer file fails in them.)"""
+    missing = tiny_model(tmp_path) / "tokenizer_config.json"
+    missing.write_text('{"x": ' + "[" * 100_000 + "]" * 100_000 + "}")
     result = subprocess.run(
-        [sys.executable, "-m", "brigade", "serve", str(missing), "--port", str(free_port())],
+        [sys.executable, "-m", "brigade", "serve", str(missing.parent), "--port", str(free_port())],
         capture_output=True,
         text=True,
         timeout=180,
