@@ -56,18 +56,22 @@ HOOK_POISON = 17
 """Priority of a request whose finished hook raises."""
 HANG = 26
 """Priority of a request whose step never ends (the faulty processor sleeps in ``apply``)."""
+SLOW = 27
+"""Priority of a request whose step takes ``slow_step_s`` once, then runs on."""
 
 
 @dataclasses.dataclass(frozen=True)
 class FaultySamplerOptions:
     fail_after_tokens: int = option(0, help="output tokens before it fails", ge=0)
+    slow_step_s: float = option(0.0, help="how long a SLOW request's step sleeps, once", ge=0)
 
 
 class FaultyProcessor(LogitsProcessor):
     """Fails for poisoned rows."""
 
-    def __init__(self, fail_after_tokens: int) -> None:
+    def __init__(self, fail_after_tokens: int, slow_step_s: float = 0.0) -> None:
         self.fail_after_tokens = fail_after_tokens
+        self.slow_step_s = slow_step_s
         self.poisoned: dict[int, tuple[str, Request]] = {}
 
     def _due(self, row: int, where: str) -> bool:
@@ -79,7 +83,7 @@ class FaultyProcessor(LogitsProcessor):
         )
 
     def add(self, row: int, request: Request) -> None:
-        modes = {**POISON, "hang": HANG}
+        modes = {**POISON, "hang": HANG, "slow": SLOW}
         mode = next((m for m, priority in modes.items() if priority == request.priority), None)
         if mode is None:
             return
@@ -106,6 +110,11 @@ class FaultyProcessor(LogitsProcessor):
         if any(self._due(row, "hang") for row in row_list):
             while True:  # alive, never done (sleeping: a thread-mode watchdog can still run)
                 time.sleep(0.05)
+        slow = [row for row in row_list if self._due(row, "slow")]
+        if slow:
+            for row in slow:  # once: the request runs on at its usual pace afterwards
+                del self.poisoned[row]
+            time.sleep(self.slow_step_s)
         undefined = [index for index, row in enumerate(row_list) if self._due(row, "nan_logits")]
         if undefined:
             logits[undefined] = float("nan")
@@ -118,13 +127,13 @@ class FaultyProcessor(LogitsProcessor):
 
 def faulty_processor(params: SamplerParams, options: FaultySamplerOptions) -> FaultyProcessor:
     """The ``faulty`` logits_processor component."""
-    return FaultyProcessor(options.fail_after_tokens)
+    return FaultyProcessor(options.fail_after_tokens, options.slow_step_s)
 
 
 class FaultySampler(StandardSampler):
     def __init__(self, params: SamplerParams, options: FaultySamplerOptions) -> None:
         super().__init__(params, StandardSamplerOptions())
-        faulty = FaultyProcessor(options.fail_after_tokens)
+        faulty = FaultyProcessor(options.fail_after_tokens, options.slow_step_s)
         self._processors = (*self._processors, faulty)
 
 

@@ -28,6 +28,7 @@ from brigade.server.guards import (
     read_body,
     unless_disconnected,
 )
+from brigade.server.health import can_serve, server_health
 from brigade.server.openapi import document_api
 from brigade.server.responses_api import ResponsesRequest, create_response
 from brigade.server.state import JSON, ServerState, json_response
@@ -70,29 +71,42 @@ def create_app(state: ServerState) -> Litestar:
 def _handlers(state: ServerState) -> list[Any]:
     @get("/health", sync_to_thread=False)
     def health() -> Response[dict[str, Any]]:
-        """Liveness plus the engine's latest counters (503 while shutting down or dead)."""
+        """Readiness: the server's status and process counts, the engine's latest counters
+        (``brigade.server.health`` says which status answers 503)."""
         snapshot = state.async_engine.snapshot
-        status = _status(state)
+        report = server_health(state)
         body = {
-            "status": status,
+            "status": report.status,
             "num_steps": snapshot.num_steps,
             "num_running": snapshot.num_running,
             "num_waiting": snapshot.num_waiting,
             "num_pages": snapshot.num_pages,
             "num_free_pages": snapshot.num_free_pages,
+            "no_progress_s": round(report.no_progress_s, 3),
+            "engines_alive": report.engines_alive,
+            "engines_total": report.engines_total,
+            "frontends_alive": report.frontends_alive,
+            "frontends_total": report.frontends_total,
         }
-        return json_response(body, status=200 if status == "ok" else 503)
+        return json_response(body, status=report.http_status)
 
     @get("/metrics", sync_to_thread=False)
     def metrics() -> Response[bytes]:
         state.metrics.observe_snapshot(state.async_engine.snapshot)
+        report = server_health(state)
+        state.metrics.observe_processes(
+            engines_alive=report.engines_alive,
+            engines_total=report.engines_total,
+            frontends_alive=report.frontends_alive,
+            frontends_total=report.frontends_total,
+        )
         body, content_type = state.metrics.render()
         return Response(body, media_type=content_type)
 
     @route("/ping", http_method=["GET", "POST"], status_code=200, sync_to_thread=False)
     def ping() -> Response[bytes]:
-        """vLLM's and SageMaker's liveness probe: 200 while serving, else 503."""
-        code = 200 if _status(state) == "ok" else 503
+        """vLLM's and SageMaker's liveness probe: 200 while the server can serve, else 503."""
+        code = 200 if can_serve(state) else 503
         return Response(b"", status_code=code, media_type="text/plain")
 
     @get("/version", sync_to_thread=False)
@@ -184,12 +198,6 @@ def _handlers(state: ServerState) -> list[Any]:
         embeddings,
         responses,
     ]
-
-
-def _status(state: ServerState) -> str:
-    if state.async_engine.dead is not None:
-        return "engine failed"
-    return "shutting down" if state.shutting_down else "ok"
 
 
 def _served_models(state: ServerState) -> out.ModelList:

@@ -136,6 +136,12 @@ class AsyncEngine(RequestStreams):
         """End every request now: streams finish with reason ``abort`` (shutdown timeout)."""
         self._send(_AbortAll())
 
+    @property
+    def no_progress_s(self) -> float:
+        """Seconds since the engine thread's loop last came round (it does after every
+        step, and at least every ``_IDLE_WAIT_S`` when idle)."""
+        return self._watchdog.silence_s
+
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stop the worker thread after its current step (no wait for a hung one)."""
         self._stopped = True

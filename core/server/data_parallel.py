@@ -120,6 +120,21 @@ class ReplicatedEngine:
         """Replicas in rotation."""
         return sum(self._in_rotation(index) for index in range(len(self.replicas)))
 
+    @property
+    def num_engines(self) -> int:
+        """Replicas started, dead ones included."""
+        return len(self.replicas)
+
+    @property
+    def num_engines_alive(self) -> int:
+        """Replicas in rotation (:attr:`num_live`)."""
+        return self.num_live
+
+    @property
+    def no_progress_s(self) -> float:
+        """The slowest live replica's: a request routed to it waits that long."""
+        return max((r.no_progress_s for r in self._live()), default=0.0)
+
     def check_capacity(self, num_requests: int = 1) -> None:
         """Raise unless some live replica can queue ``num_requests`` more now."""
         if self.dead is not None:
@@ -175,6 +190,10 @@ class ReplicatedEngine:
     def abort_all(self) -> None:
         for replica in self._live():
             replica.abort_all()
+
+    def fail_all(self, error: BaseException) -> None:
+        for replica in self.replicas:
+            replica.fail_all(error)
 
     def shutdown(self, timeout: float = 5.0) -> None:
         for replica in self.replicas:

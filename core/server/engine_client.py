@@ -273,6 +273,14 @@ class EngineClient(RequestStreams):
         if update.finished:
             del self._streams[update.request_id]
 
+    @property
+    def no_progress_s(self) -> float:
+        """Seconds since the engine's last message (0 while its messages wait unread: it
+        spoke, this event loop was busy)."""
+        if self._watch is None or self._unread():
+            return 0.0
+        return self._watch.watchdog.silence_s
+
     def _unread(self) -> bool:
         """Messages from the engine wait on the socket (this event loop was busy)."""
         socket = self._socket

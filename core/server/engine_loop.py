@@ -10,6 +10,11 @@ every front end hears from the engine at least every step or 0.1 s: the heartbea
 silence a front end takes for a hung step (``[server] engine_step_timeout_s``,
 ``brigade.server.liveness``). Grammars compile here (``EngineCore.admit``); an invalid one comes
 back as the request's first update with ``error`` and ``invalid`` set.
+
+A front end that leaves says goodbye, and its requests are aborted. One that dies cannot: the
+socket refuses the next message for it (``open_engine_socket``), and its requests are
+aborted then, so that no pages or batch rows go on serving answers nobody will read while the
+other front ends serve on.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import logging
 import os
 import time
 
+import structlog
 import zmq
 
 from brigade.engine import EngineCore, StepUpdate
@@ -29,6 +35,7 @@ from brigade.server import engine_protocol as wire
 __all__ = ["IDLE_POLL_MS", "STATS_INTERVAL_S", "EngineLoop"]
 
 logger = logging.getLogger(__name__)
+log = structlog.get_logger("brigade.server")
 
 STATS_INTERVAL_S = 0.05
 """Counters-only messages to a front end with no updates are at most this frequent."""
@@ -206,8 +213,20 @@ class EngineLoop:
                 self._stats_sent[identity] = now
 
     def _fail(self, reason: str) -> None:
-        for identity in self._stats_sent:
+        for identity in list(self._stats_sent):
             self._send(identity, wire.EngineFailed(reason))
 
     def _send(self, identity: bytes, message: wire.FromEngine) -> None:
-        self.socket.send_multipart([identity, wire.encode(message)], copy=False)
+        try:
+            self.socket.send_multipart([identity, wire.encode(message)], copy=False)
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            self._forget(identity)
+
+    def _forget(self, identity: bytes) -> None:
+        """A front end that is gone without a goodbye (it died): abort its requests."""
+        num_requests = sum(owner == identity for owner in self._owners.values())
+        self._abort_all(identity, notify=False)
+        if self._stats_sent.pop(identity, None) is not None or num_requests:
+            log.warning("frontend_gone", aborted=num_requests)

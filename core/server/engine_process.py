@@ -165,8 +165,10 @@ def load_engine(
 
 def open_engine_socket(context: zmq.Context[zmq.Socket[bytes]]) -> zmq.Socket[bytes]:
     """The engine's ROUTER, not yet bound: it never drops a step's updates for a slow front
-    end, and drops what is unsent when it closes."""
+    end, drops what is unsent when it closes, and refuses a message for a front end that is
+    gone (``EHOSTUNREACH``: ``EngineLoop`` then aborts that front end's requests)."""
     socket = context.socket(zmq.ROUTER)
+    socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
     socket.setsockopt(zmq.SNDHWM, 0)
     socket.setsockopt(zmq.RCVHWM, 0)
     socket.setsockopt(zmq.LINGER, 0)

@@ -9,25 +9,62 @@ makes it exit with ``EXIT_ENGINE_DEAD``; a config or model error, with ``EXIT_ST
 
 from __future__ import annotations
 
+import ctypes
+import dataclasses
+import multiprocessing.sharedctypes
 import os
 import socket
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import structlog
 
 from brigade.errors import EngineDeadError
+from brigade.server.bucket_store import SharedBuckets
 from brigade.server.engine_process import freeze_startup_heap, remove_from_run_dir, watch_parent
+from brigade.server.health import AliveFlags, FrontendRoster
 from brigade.server.lifecycle import EXIT_ENGINE_DEAD, EXIT_STARTUP_ERROR
 
 if TYPE_CHECKING:
+    from brigade.config import EngineConfig
     from brigade.server.engine_link import FrontendKeys
     from brigade.server.request_streams import RequestStreams
 
-__all__ = ["run_frontend_process"]
+__all__ = ["FrontendShares", "frontend_shares", "run_frontend_process"]
 
 log = structlog.get_logger("brigade.server")
+
+
+@dataclasses.dataclass(frozen=True)
+class FrontendShares:
+    """What the front ends of one server share (all None with a single front end: its own
+    registry, limiter and liveness are the server's)."""
+
+    metrics_dir: str | None = None
+    """Where their metrics meet (``brigade.server.metrics``)."""
+    rate_limit_db: str | None = None
+    """The rate limiter's database, when a limit is on (``SharedBuckets``)."""
+    frontends_alive: AliveFlags | None = None
+    """One flag per front end; the supervisor clears a front end's when it exits."""
+
+
+def frontend_shares(rundir: str, count: int, config: EngineConfig) -> FrontendShares:
+    """What ``count`` front ends of one server share, made in its run directory ``rundir``
+    (before they start)."""
+    if count == 1:
+        return FrontendShares()
+    settings = config["server"].settings
+    metrics_dir = os.path.join(rundir, "metrics")
+    os.mkdir(metrics_dir)
+    rate_limit_db = None
+    if settings.requests_per_minute or settings.tokens_per_minute:
+        os.mkdir(os.path.join(rundir, "ratelimit"))
+        rate_limit_db = os.path.join(rundir, "ratelimit", "buckets.sqlite")
+        SharedBuckets.create(rate_limit_db)
+    alive = multiprocessing.sharedctypes.RawArray(ctypes.c_byte, [1] * count)
+    return FrontendShares(metrics_dir, rate_limit_db, alive)
 
 
 def run_frontend_process(
@@ -41,17 +78,22 @@ def run_frontend_process(
     parent_pid: int,
     metrics_dir: str | None = None,
     keys: FrontendKeys | None = None,
+    rate_limit_db: str | None = None,
+    frontends_alive: AliveFlags | None = None,
 ) -> None:
     """A front end's entry (``multiprocessing`` spawn target): HTTP on ``sock``, requests to
     the engine at ``addresses[0]``, or routed over the replicas at ``addresses`` (processes
     ``engine_pids`` on this machine, or remote ones, None, reached with ``keys``); its metrics
     shared with the other front ends in ``metrics_dir``, which the supervisor put in this
-    process's environment (``brigade.server.metrics``)."""
+    process's environment (``brigade.server.metrics``), its rate limits in the database
+    ``rate_limit_db`` (``brigade.server.bucket_store``); ``frontends_alive``: one flag per
+    front end, which the supervisor clears when that one exits (``brigade.server.health``)."""
     os.setpgrp()  # signals come from the supervisor, not from the terminal
-    if metrics_dir is None:
-        watch_parent(parent_pid)
-    else:  # what the supervisor would have removed
-        watch_parent(parent_pid, leave=lambda: remove_from_run_dir(Path(metrics_dir)))
+    # What the supervisor would have removed, were it killed: the shared folders.
+    shared = [Path(metrics_dir)] if metrics_dir is not None else []
+    if rate_limit_db is not None:
+        shared.append(Path(rate_limit_db).parent)
+    watch_parent(parent_pid, leave=lambda: _remove_all(shared))
     from brigade.assemble import open_model
     from brigade.config import load_config
     from brigade.errors import BrigadeError
@@ -98,6 +140,19 @@ def run_frontend_process(
             RouterParams(len(clients), info.page_size, info.num_pages), config["router"].options
         )
         streams = ReplicatedEngine(clients, router)  # type: ignore[assignment]
-    state = frontend_state(config, registry, streams, checkpoint, metrics_dir=metrics_dir)
+    state = frontend_state(
+        config,
+        registry,
+        streams,
+        checkpoint,
+        metrics_dir=metrics_dir,
+        rate_limit_db=rate_limit_db,
+        frontends=None if frontends_alive is None else FrontendRoster(frontends_alive),
+    )
     freeze_startup_heap()
     sys.exit(run_http(state, config, sock, announce=index == 0))
+
+
+def _remove_all(paths: Sequence[Path]) -> None:
+    for path in paths:
+        remove_from_run_dir(path)

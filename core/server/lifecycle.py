@@ -3,9 +3,13 @@
 - The first SIGTERM or SIGINT starts a drain: ``/health`` and ``/ping`` answer 503 and new
   requests get 503 while running ones may finish for ``shutdown_timeout_s`` (a float; 0 means
   no wait). Requests still running then end with finish reason ``abort`` (streams get their
-  last chunk and ``[DONE]``), and the server exits with :data:`EXIT_OK`.
-- A second signal stops at once: streams are cut and the exit status is 128 + the signal
-  number (130 for Ctrl-C twice, 143 for SIGTERM twice).
+  last chunk, an error event saying the server stopped them, and ``[DONE]``; a stream the
+  engine did not end within :data:`ABORT_GRACE_S`, a step still running, gets the error event
+  alone), and the server exits with :data:`EXIT_OK`.
+- A second signal stops at once: every stream gets an error event and ``[DONE]`` (they have
+  :data:`FORCED_STOP_GRACE_S` to leave), then connections are cut; the exit status is 128 +
+  the signal number (130 for Ctrl-C twice, 143 for SIGTERM twice). A third signal cuts them
+  without waiting.
 - When the engine dies, requests in flight get their error, ``/health`` answers 503 and new
   requests 503 at once; after :data:`DEAD_LINGER_S` (so probes see it) the server exits
   with :data:`EXIT_ENGINE_DEAD`, for a supervisor to restart it.
@@ -17,12 +21,14 @@ import asyncio
 import contextlib
 import signal
 import threading
-from collections.abc import Generator
+from collections.abc import Coroutine, Generator
 from types import FrameType
 from typing import TYPE_CHECKING
 
 import structlog
 import uvicorn
+
+from brigade.server.errors import ServerOverloadedError
 
 if TYPE_CHECKING:
     from brigade.server.state import ServerState
@@ -33,6 +39,7 @@ __all__ = [
     "EXIT_ENGINE_DEAD",
     "EXIT_OK",
     "EXIT_STARTUP_ERROR",
+    "FORCED_STOP_GRACE_S",
     "BrigadeServer",
 ]
 
@@ -47,6 +54,9 @@ ABORT_GRACE_S = 5.0
 leave (and uvicorn's own wait for connections)."""
 DEAD_LINGER_S = 2.0
 """With the engine dead, how long the server keeps answering 503 before it exits."""
+FORCED_STOP_GRACE_S = 1.0
+"""On a second signal, how long the streams' error events may take to leave before the
+connections are cut: long enough for a write, short enough to still be "at once"."""
 _POLL_S = 0.05
 
 log = structlog.get_logger("brigade.server")
@@ -94,8 +104,11 @@ class BrigadeServer(uvicorn.Server):
         self._signals.append(sig)
         if len(self._signals) > 1:
             self.exit_code = 128 + sig
-            self.force_exit = True
-            self.should_exit = True
+            if len(self._signals) > 2 or self._loop is None:
+                self.force_exit = True
+                self.should_exit = True
+            else:
+                self._loop.call_soon_threadsafe(self._start_task, self._stop_at_once())
             return
         self.state.shutting_down = True  # /health, /ping and new requests: 503
         if self._loop is None:
@@ -112,9 +125,28 @@ class BrigadeServer(uvicorn.Server):
 
     def _start_drain(self, sig: int) -> None:
         log.info("shutdown_requested", signal=sig, timeout_s=self.shutdown_timeout_s)
-        task = asyncio.get_running_loop().create_task(self._drain())
+        self._start_task(self._drain())
+
+    def _start_task(self, work: Coroutine[None, None, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    async def _stop_at_once(self) -> None:
+        await self._fail_streams("was stopped at once (a second signal)")
+        self.force_exit = True
+        self.should_exit = True
+
+    async def _fail_streams(self, how: str) -> None:
+        """End every open stream with an error event saying that the server ``how``, and
+        give the events :data:`FORCED_STOP_GRACE_S` to leave before the connections go."""
+        self.state.async_engine.fail_all(
+            ServerOverloadedError(f"The server {how}: this request did not finish; retry it.")
+        )
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + FORCED_STOP_GRACE_S
+        while self._busy() and loop.time() < deadline:
+            await asyncio.sleep(_POLL_S)
 
     @property
     def shutdown_timeout_s(self) -> float:
@@ -132,6 +164,8 @@ class BrigadeServer(uvicorn.Server):
         grace = loop.time() + ABORT_GRACE_S
         while self._busy() and loop.time() < grace:
             await asyncio.sleep(_POLL_S)
+        if engine.num_in_flight:  # the engine did not end them (a step still runs): say so
+            await self._fail_streams("is shutting down and could not stop this request in time")
         self.should_exit = True
 
     def _busy(self) -> bool:

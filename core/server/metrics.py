@@ -163,6 +163,9 @@ class ServerMetrics:
     :meth:`render` then answers for the whole server: counters and histograms summed over the
     front ends, gauges as last set by any live one (:data:`GAUGE_MODE`). Without it the series
     are this object's alone, and several servers in one process never clash.
+
+    ``num_engines`` and ``num_frontends``: the processes the server started, all alive at
+    first (:meth:`observe_processes` follows them from then on).
     """
 
     def __init__(
@@ -172,6 +175,8 @@ class ServerMetrics:
         names: str = "brigade",
         speculative_positions: int = 0,
         multiprocess_dir: str | None = None,
+        num_engines: int = 1,
+        num_frontends: int = 1,
     ) -> None:
         if names not in METRIC_NAMES:
             raise ValueError(f"metric names {names!r}: expected one of {METRIC_NAMES}")
@@ -289,6 +294,20 @@ class ServerMetrics:
             )
             if names in ("vllm", "both")
             else _Series([])
+        )
+        self._engines_alive = gauge("engines_alive", "Engine processes (replicas) serving.")
+        self._engines_configured = gauge(
+            "engines_configured", "Engine processes (replicas) the server started."
+        )
+        self._frontends_alive = gauge("frontends_alive", "HTTP front-end processes serving.")
+        self._frontends_configured = gauge(
+            "frontends_configured", "HTTP front-end processes the server started."
+        )
+        self.observe_processes(
+            engines_alive=num_engines,
+            engines_total=num_engines,
+            frontends_alive=num_frontends,
+            frontends_total=num_frontends,
         )
         self._prompt_tokens = counter("prompt_tokens_total", "Prompt tokens processed.")
         self._generation_tokens = counter(
@@ -494,6 +513,18 @@ class ServerMetrics:
         usage = min(max(kv_usage, 0.0), 1.0)
         self._kv_usage.set_at(usage, stamp)
         self._gpu_cache_usage.set_at(usage, stamp)
+
+    def observe_processes(
+        self, *, engines_alive: int, engines_total: int, frontends_alive: int, frontends_total: int
+    ) -> None:
+        """Set the process gauges: engines and front ends serving, and how many the server
+        started (fewer alive than started: the server is degraded; ``brigade.server.health``).
+        With ``multiprocess_dir`` the server's value is the one set last, by any front end."""
+        stamp = time.time()
+        self._engines_alive.set_at(engines_alive, stamp)
+        self._engines_configured.set_at(engines_total, stamp)
+        self._frontends_alive.set_at(frontends_alive, stamp)
+        self._frontends_configured.set_at(frontends_total, stamp)
 
     def observe_snapshot(self, stats: EngineStats) -> None:
         """:meth:`observe_engine` with an ``EngineStats``."""

@@ -76,11 +76,22 @@ _EVENT = {
 _HEALTH = {
     "type": "object",
     "properties": {
-        "status": {"enum": ["ok", "shutting down", "engine failed"]},
+        "status": {"enum": ["ok", "degraded", "stalled", "shutting down", "engine failed"]},
         **{
             name: {"type": "integer"}
-            for name in ("num_steps", "num_running", "num_waiting", "num_pages", "num_free_pages")
+            for name in (
+                "num_steps",
+                "num_running",
+                "num_waiting",
+                "num_pages",
+                "num_free_pages",
+                "engines_alive",
+                "engines_total",
+                "frontends_alive",
+                "frontends_total",
+            )
         },
+        "no_progress_s": {"type": "number"},
     },
     "required": ["status"],
 }
@@ -189,7 +200,10 @@ def _complete(path: str, method: str, operation: Operation) -> None:
 
 def _responses(path: str, has_body: bool) -> dict[int, OpenAPIResponse]:
     if path == "/health":
-        return {200: _json("Serving", _HEALTH), 503: _json("Shutting down or failed", _HEALTH)}
+        return {
+            200: _json("Serving (ok, or degraded: a process lost)", _HEALTH),
+            503: _json("Stalled, shutting down or failed", _HEALTH),
+        }
     if path == "/ping":
         return {200: _text("Serving"), 503: _text("Shutting down or failed")}
     if path == "/metrics":

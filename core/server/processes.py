@@ -9,17 +9,23 @@ The process started by ``brigade serve`` binds the port, then supervises (it ser
 - ``[server] api_server_count`` front-end processes, each a uvicorn server accepting on the
   inherited listening socket (one port, one accept queue) with an ``EngineClient``. With more
   than one, their metrics meet in a ``metrics`` folder of the run directory, so that every
-  front end's ``/metrics`` answers for the whole server (``brigade.server.metrics``).
+  front end's ``/metrics`` answers for the whole server (``brigade.server.metrics``), their
+  rate limits in a database in a ``ratelimit`` folder, so that a client's budget is the
+  server's (``brigade.server.bucket_store``), and a flag per front end in shared memory says
+  which are alive (``brigade.server.health``).
 
 All are started with ``multiprocessing``'s spawn method, in their own process groups so that
 a terminal's Ctrl-C reaches the supervisor alone, which forwards SIGINT/SIGTERM to the front
 ends (first signal: drain, second: stop at once, as in ``brigade.server.lifecycle``), then
 stops the engine once every front end has left. A front end notices the engine's death
 itself (pidfd; a Ray actor's through its connection) and exits with ``EXIT_ENGINE_DEAD``
-after answering 503 for a moment; a front end that exits unexpectedly makes the supervisor
-stop the others. Engine and front ends exit on their own when the supervisor disappears (Ray
-kills the actors of a driver that is gone). The supervisor's exit status is the worst of its
-children's (1 when the engine or a front end died).
+after answering 503 for a moment. A front end that dies is logged and its flag cleared; the
+others go on serving (the listening socket is theirs too, so they take every new connection)
+and report it in ``/health`` and ``/metrics``, and the engine aborts the dead one's requests.
+Only a front end that cannot start (``EXIT_STARTUP_ERROR``) stops the others: none would.
+Engine and front ends exit on their own when the supervisor disappears (Ray kills the actors
+of a driver that is gone). The supervisor's exit status is the worst of its children's (1
+when the engine or a front end died).
 """
 
 from __future__ import annotations
@@ -45,7 +51,8 @@ from brigade.errors import EngineDeadError
 from brigade.ray_actors import replicas_on_ray
 from brigade.replica_devices import local_replica_overrides
 from brigade.server.engine_process import run_engine_process
-from brigade.server.frontend_process import run_frontend_process
+from brigade.server.frontend_process import FrontendShares, frontend_shares, run_frontend_process
+from brigade.server.health import AliveFlags
 from brigade.server.lifecycle import DEAD_LINGER_S, EXIT_ENGINE_DEAD, EXIT_OK, EXIT_STARTUP_ERROR
 from brigade.server.metrics import MULTIPROCESS_ENV, forget_process
 
@@ -102,15 +109,12 @@ def supervise(
     end routes over all of them."""
     settings = config["server"].settings
     rundir = tempfile.mkdtemp(prefix="brigade-")
-    metrics_dir = None  # one front end: its own registry is the server's
-    if settings.api_server_count > 1:
-        metrics_dir = os.path.join(rundir, "metrics")
-        os.mkdir(metrics_dir)
     try:
+        shared = frontend_shares(rundir, settings.api_server_count, config)
         with (
             _start_engines(config_path, overrides, config, rundir) as replicas,
             _start_frontends(
-                config_path, overrides, sock, settings.api_server_count, replicas, metrics_dir
+                config_path, overrides, sock, settings.api_server_count, replicas, shared
             ) as frontends,
         ):
             log.info(
@@ -118,9 +122,11 @@ def supervise(
                 engine_pids=[engine.pid for engine in replicas.engines],
                 frontend_pids=[p.pid for p in frontends],
                 addresses=replicas.addresses,
-                metrics_dir=metrics_dir,
+                metrics_dir=shared.metrics_dir,
             )
-            return Supervisor(replicas.engines, frontends, metrics_dir).run()
+            return Supervisor(
+                replicas.engines, frontends, shared.metrics_dir, shared.frontends_alive
+            ).run()
     except EngineDeadError as exc:  # a replica's Ray actor died while it loaded
         log.critical("engine_dead", reason=str(exc), exit_code=EXIT_ENGINE_DEAD)
         return EXIT_ENGINE_DEAD
@@ -177,16 +183,16 @@ def _start_frontends(
     sock: socket.socket,
     count: int,
     replicas: Replicas,
-    metrics_dir: str | None,
+    shared: FrontendShares,
 ) -> Iterator[list[BaseProcess]]:
     """``count`` front ends on ``sock`` (closed here: they hold their own
-    copies), reaching ``replicas``; any still running on leaving is killed (only after a
-    failure in the supervisor itself)."""
+    copies), reaching ``replicas``, sharing ``shared``; any still running on leaving is
+    killed (only after a failure in the supervisor itself)."""
     frontends: list[BaseProcess] = []
     try:
         # Spawn copies this environment as each front end starts, before it imports anything
         # (one front end: the variable unset, whatever the supervisor's environment says).
-        with _environment(MULTIPROCESS_ENV, metrics_dir):
+        with _environment(MULTIPROCESS_ENV, shared.metrics_dir):
             for index in range(count):
                 frontend = _SPAWN.Process(
                     target=run_frontend_process,
@@ -194,8 +200,10 @@ def _start_frontends(
                     kwargs={
                         "engine_pids": replicas.pids,
                         "parent_pid": os.getpid(),
-                        "metrics_dir": metrics_dir,
+                        "metrics_dir": shared.metrics_dir,
                         "keys": replicas.keys,
+                        "rate_limit_db": shared.rate_limit_db,
+                        "frontends_alive": shared.frontends_alive,
                     },
                     name=f"brigade-frontend-{index}",
                 )
@@ -227,21 +235,24 @@ def _environment(name: str, value: str | None) -> Iterator[None]:
 class Supervisor:
     """Waits on its children's sentinels; forwards signals; decides the exit status. An
     engine replica that exits while others run is logged (the front ends take it out of
-    rotation); the last one's exit stops the server. A front end that exits leaves the
-    shared metrics (``metrics_dir``) with its counts but without its gauges."""
+    rotation); the last one's exit stops the server. A front end that exits is logged and
+    its flag in ``frontends_alive`` cleared while the others serve on; it leaves the shared
+    metrics (``metrics_dir``) with its counts but without its gauges. The server stops when
+    its last front end has exited."""
 
     def __init__(
         self,
         engines: Sequence[EngineHandle],
         frontends: list[BaseProcess],
         metrics_dir: str | None = None,
+        frontends_alive: AliveFlags | None = None,
     ) -> None:
         self.engines = engines
         self.frontends = frontends
         self.metrics_dir = metrics_dir
+        self.frontends_alive = frontends_alive
         self.exit_code = EXIT_OK
         self._stopping = False
-        self._failed = False
         self._kill_deadline: float | None = None
 
     def run(self) -> int:
@@ -309,18 +320,31 @@ class Supervisor:
             self._kill_deadline = time.monotonic() + FRONTEND_EXIT_S
 
     def _frontend_exited(self, index: int, code: int | None) -> None:
+        if self.frontends_alive is not None:
+            self.frontends_alive[index] = 0
         if code == EXIT_OK and self._stopping:
             return
         if code is not None and code > 0:
             self.exit_code = max(self.exit_code, code)
         else:  # killed by a signal, or gone without being asked
             self.exit_code = max(self.exit_code, EXIT_ENGINE_DEAD)
-        if self._stopping or self._failed or self._engines_dead():
+        if self._stopping or self._engines_dead():
             return
-        self._failed = True
-        log.critical("frontend_exited", frontend=index, exit_code=code, stopping_the_others=True)
-        self._forward(signal.SIGTERM, None)
-        self._kill_deadline = time.monotonic() + FRONTEND_EXIT_S
+        alive = sum(process.exitcode is None for process in self.frontends)
+        if code == EXIT_STARTUP_ERROR:  # its config or model: the others cannot start either
+            log.critical("frontend_exited", frontend=index, exit_code=code, frontends_alive=alive)
+            self._forward(signal.SIGTERM, None)
+            self._kill_deadline = time.monotonic() + FRONTEND_EXIT_S
+            return
+        # The others serve on: the listening socket is theirs too. (With none left, the wait
+        # ends and the server stops.)
+        (log.error if alive else log.critical)(
+            "frontend_exited",
+            frontend=index,
+            exit_code=code,
+            frontends_alive=alive,
+            frontends=len(self.frontends),
+        )
 
     def _stop_engine(self) -> None:
         for engine in self.engines:

@@ -4,20 +4,19 @@ Each key (an API key, or the client address when keys are off) owns two token bu
 capacity is the per-minute figure and which refill at that figure per 60 s, so a client may
 burst up to a minute's allowance and then proceeds at the steady rate. A limit of 0 is off.
 
-Not thread-safe: the server calls it from its one event loop, between awaits.
+The buckets live in a store (``brigade.server.bucket_store``): this process's memory for one
+front end, or a database every front end of one server shares, so that the limits hold for
+the server as a whole however many front ends take its connections.
 """
 
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 
-__all__ = ["IDLE_EVICTION_S", "OVERSIZED_RETRY_AFTER_S", "RateLimiter"]
+from brigade.server.bucket_store import IDLE_EVICTION_S, Buckets, BucketStore, MemoryBuckets
 
-IDLE_EVICTION_S = 600.0
-"""A key unused for this long is forgotten. Any bucket idle for 60 s is full again, so
-forgetting it after 10 minutes changes no decision; it only bounds memory."""
+__all__ = ["IDLE_EVICTION_S", "OVERSIZED_RETRY_AFTER_S", "RateLimiter"]
 
 OVERSIZED_RETRY_AFTER_S = 60.0
 """Retry-After for a request needing more tokens than a whole minute's allowance. Such a
@@ -27,21 +26,12 @@ _EPSILON = 1e-9
 """Slack for float rounding, so a client that waits exactly the advised time is admitted."""
 
 
-class _Buckets:
-    """The two buckets of one key and the time they were last refilled."""
-
-    __slots__ = ("requests", "tokens", "updated_at")
-
-    def __init__(self, requests: float, tokens: float, now: float) -> None:
-        self.requests = requests
-        self.tokens = tokens
-        self.updated_at = now
-
-
 class RateLimiter:
     """Admits or delays requests per key against requests- and tokens-per-minute limits.
 
-    ``clock`` returns seconds on a monotonic scale (tests pass a fake one).
+    ``clock`` returns seconds on a monotonic scale (tests pass a fake one); ``store`` keeps
+    the buckets (default: this process's memory). Limiters on one shared store share every
+    key's budget.
     """
 
     def __init__(
@@ -49,6 +39,8 @@ class RateLimiter:
         requests_per_minute: int,
         tokens_per_minute: int,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        store: BucketStore | None = None,
     ) -> None:
         if requests_per_minute < 0 or tokens_per_minute < 0:
             raise ValueError(
@@ -61,8 +53,7 @@ class RateLimiter:
         self._requests_per_s = requests_per_minute / 60.0
         self._tokens_per_s = tokens_per_minute / 60.0
         self._clock = clock
-        # Least recently used first, so idle keys are evicted from the front.
-        self._buckets: OrderedDict[str, _Buckets] = OrderedDict()
+        self.store: BucketStore = MemoryBuckets() if store is None else store
 
     @property
     def enabled(self) -> bool:
@@ -72,7 +63,7 @@ class RateLimiter:
     @property
     def num_keys(self) -> int:
         """Keys currently tracked (those seen within :data:`IDLE_EVICTION_S`)."""
-        return len(self._buckets)
+        return self.store.num_keys
 
     def acquire(self, key: str, tokens: int) -> float | None:
         """Take one request and ``tokens`` tokens from ``key``'s allowance.
@@ -86,47 +77,38 @@ class RateLimiter:
             raise ValueError(f"tokens must be >= 0, got {tokens}")
         if not self.enabled:
             return None
+        if self.tokens_per_minute and tokens > self.tokens_per_minute:
+            return OVERSIZED_RETRY_AFTER_S
         now = self._clock()
-        self._evict_idle(now)
-        buckets = self._refilled(key, now)
+        return self.store.update(key, now, lambda stored: self._charge(stored, now, tokens))
+
+    def _charge(
+        self, stored: Buckets | None, now: float, tokens: int
+    ) -> tuple[Buckets, float | None]:
+        """The buckets refilled up to ``now`` and charged when both hold enough; else the same
+        buckets, refilled only, and the wait."""
+        buckets = self._refilled(stored, now)
         wait = 0.0
         if self.requests_per_minute:
             missing = 1.0 - buckets.requests
             if missing > _EPSILON:
                 wait = missing / self._requests_per_s
         if self.tokens_per_minute:
-            if tokens > self.tokens_per_minute:
-                return OVERSIZED_RETRY_AFTER_S
             missing = tokens - buckets.tokens
             if missing > _EPSILON:
                 wait = max(wait, missing / self._tokens_per_s)
         if wait > 0.0:
-            return wait
+            return buckets, wait
         buckets.requests = max(buckets.requests - 1.0, 0.0)
         buckets.tokens = max(buckets.tokens - tokens, 0.0)
-        return None
+        return buckets, None
 
-    def _refilled(self, key: str, now: float) -> _Buckets:
-        buckets = self._buckets.get(key)
-        if buckets is None:
-            buckets = _Buckets(self.requests_per_minute, self.tokens_per_minute, now)
-            self._buckets[key] = buckets
-            return buckets
-        self._buckets.move_to_end(key)
-        elapsed = max(now - buckets.updated_at, 0.0)
-        buckets.requests = min(
-            buckets.requests + elapsed * self._requests_per_s, self.requests_per_minute
+    def _refilled(self, stored: Buckets | None, now: float) -> Buckets:
+        if stored is None:  # a new key starts with a full minute's allowance
+            return Buckets(self.requests_per_minute, self.tokens_per_minute, now)
+        elapsed = max(now - stored.updated_at, 0.0)
+        return Buckets(
+            min(stored.requests + elapsed * self._requests_per_s, self.requests_per_minute),
+            min(stored.tokens + elapsed * self._tokens_per_s, self.tokens_per_minute),
+            now,
         )
-        buckets.tokens = min(buckets.tokens + elapsed * self._tokens_per_s, self.tokens_per_minute)
-        buckets.updated_at = now
-        return buckets
-
-    def _evict_idle(self, now: float) -> None:
-        # The dict is ordered by last use, so stale keys sit at the front: each call pops only
-        # what it evicts, which makes eviction O(1) amortised and memory bounded by the keys seen
-        # in the last IDLE_EVICTION_S.
-        while self._buckets:
-            key, buckets = next(iter(self._buckets.items()))
-            if now - buckets.updated_at <= IDLE_EVICTION_S:
-                return
-            del self._buckets[key]

@@ -47,6 +47,8 @@ class RequestStreams:
         self._stopped = False
         self.dead: str | None = None
         """Why the engine died (None while it runs)."""
+        self._sinks: dict[str, asyncio.Queue[StepUpdate | BaseException]] = {}
+        """Request id -> its stream's queue, while :meth:`generate` runs."""
 
     def admit(
         self,
@@ -100,6 +102,7 @@ class RequestStreams:
         sink: asyncio.Queue[StepUpdate | BaseException] = asyncio.Queue()
         self._num_unstarted += 1
         self._num_active += 1
+        self._sinks[request_id] = sink
         started = False
         finished = False
         try:
@@ -126,6 +129,7 @@ class RequestStreams:
                     return
         finally:
             self._num_active -= 1
+            self._sinks.pop(request_id, None)
             if not started:
                 self._num_unstarted -= 1
             if not finished:
@@ -151,9 +155,34 @@ class RequestStreams:
         """End every request now: streams finish with reason ``abort`` (shutdown timeout)."""
         raise NotImplementedError
 
+    def fail_all(self, error: BaseException) -> None:
+        """End every open stream now with ``error`` (each :meth:`generate` raises it, so a
+        streaming client gets an error event rather than a cut) and abort its request: the
+        server is stopping at once."""
+        sinks, self._sinks = self._sinks, {}
+        for request_id, sink in sinks.items():
+            sink.put_nowait(error)
+            self.abort(request_id)
+
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stop talking to the engine (and stop it, when this front end owns it)."""
         raise NotImplementedError
+
+    @property
+    def num_engines(self) -> int:
+        """Engines behind this seam (one; a replicated engine has several)."""
+        return 1
+
+    @property
+    def num_engines_alive(self) -> int:
+        """Of :attr:`num_engines`, those still serving."""
+        return 0 if self.dead is not None else 1
+
+    @property
+    def no_progress_s(self) -> float:
+        """Seconds since the engine last showed progress (a step's message, or its idle
+        heartbeat); a step still running is as old as this."""
+        return 0.0
 
     @property
     def num_unstarted(self) -> int:

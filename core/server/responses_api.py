@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncGenerator, Mapping
+from contextlib import aclosing
 from typing import Any
 
 import msgspec
@@ -23,7 +24,7 @@ from litestar.response import Stream
 from brigade.output import ChoiceDelta
 from brigade.server import protocol as proto
 from brigade.server import streaming
-from brigade.server.errors import ProtocolError
+from brigade.server.errors import APIError, ProtocolError
 from brigade.server.generation import ChatRun, start_chat
 from brigade.server.state import ServerState, json_response
 from brigade.server.tools import ToolCall, ToolCallStream, parse_tool_calls
@@ -332,12 +333,12 @@ async def _events(
     text = ""
     num_tokens = 0
     finish: str | None = None
-    async for delta in run.deltas:
-        if delta.error is not None:
+    async for delta in _deltas_until_failure(run.deltas):
+        if isinstance(delta, APIError):  # the request failed, or the server stopped it
             failed = _response(
                 body, response_id, created, model, output, status="failed", usage=None
             )
-            failed["error"] = {"code": "server_error", "message": str(delta.error)}
+            failed["error"] = {"code": "server_error", "message": delta.message}
             yield event("response.failed", response=failed)
             return
         num_tokens += len(delta.token_ids)
@@ -406,6 +407,24 @@ async def _events(
     yield event(
         "response.incomplete" if status == "incomplete" else "response.completed", response=final
     )
+
+
+async def _deltas_until_failure(
+    deltas: AsyncGenerator[ChoiceDelta, None],
+) -> AsyncGenerator[ChoiceDelta | APIError, None]:
+    """``deltas`` up to the first failure the client must hear of, which comes last, as an
+    error: a choice's or the server's stop (``streaming.delta_failure``), or the request's
+    as a whole (the engine died, a forced stop), never a stream cut without a word."""
+    try:
+        async with aclosing(deltas):
+            async for delta in deltas:
+                failure = streaming.delta_failure(delta)
+                if failure is not None:
+                    yield failure
+                    return
+                yield delta
+    except Exception as exc:
+        yield streaming.client_error(exc)
 
 
 def _split(parser: ToolCallStream | None, delta: ChoiceDelta) -> tuple[str, list[ToolCall]]:

@@ -18,8 +18,10 @@ from brigade.models.checkpoint import require_tokenizer
 from brigade.registry import Registry, default_registry
 from brigade.server.app import ServerState, create_app
 from brigade.server.async_engine import AsyncEngine
+from brigade.server.bucket_store import SharedBuckets
 from brigade.server.engine_process import freeze_startup_heap
 from brigade.server.frontend import Frontend
+from brigade.server.health import FrontendRoster
 from brigade.server.http import GuardedH11Protocol, ThrottledWarnings
 from brigade.server.lifecycle import ABORT_GRACE_S, BrigadeServer
 from brigade.server.liveness import MIN_STEP_TIMEOUT_S
@@ -51,10 +53,14 @@ def frontend_state(
     checkpoint: Checkpoint | None = None,
     *,
     metrics_dir: str | None = None,
+    rate_limit_db: str | None = None,
+    frontends: FrontendRoster | None = None,
 ) -> ServerState:
     """What the HTTP handlers share, over ``engine`` (a thread or a process); the tokenizer is
     read from ``checkpoint`` (opened here when not given: it reads no weights). With several
-    front-end processes, ``metrics_dir`` is where their metrics meet (``ServerMetrics``)."""
+    front-end processes, ``metrics_dir`` is where their metrics meet (``ServerMetrics``),
+    ``rate_limit_db`` where their rate limits do (``SharedBuckets``; None: this process's
+    own), and ``frontends`` says which of them are alive."""
     settings = config["server"].settings
     checkpoint = checkpoint or open_model(config)
     tokenizer = require_tokenizer(checkpoint)
@@ -70,6 +76,8 @@ def frontend_state(
             0 if speculative.plugin is None else speculative.settings.num_speculative_tokens
         ),
         multiprocess_dir=metrics_dir,
+        num_engines=engine.num_engines,
+        num_frontends=frontends.total if frontends is not None else 1,
     )
     metrics.set_components(config.components)
     if metrics_dir is not None:
@@ -81,7 +89,12 @@ def frontend_state(
         settings=settings,
         model_name=model_name,
         metrics=metrics,
-        limiter=RateLimiter(settings.requests_per_minute, settings.tokens_per_minute),
+        limiter=RateLimiter(
+            settings.requests_per_minute,
+            settings.tokens_per_minute,
+            store=None if rate_limit_db is None else SharedBuckets(rate_limit_db),
+        ),
+        frontends=frontends or FrontendRoster(),
     )
 
 

@@ -14,6 +14,7 @@ import msgspec
 from litestar import Response
 
 from brigade.server.frontend import Frontend
+from brigade.server.health import FrontendRoster
 from brigade.server.metrics import ServerMetrics
 from brigade.server.ratelimit import RateLimiter
 from brigade.server.request_streams import RequestStreams
@@ -46,6 +47,8 @@ class ServerState:
     model_name: str
     metrics: ServerMetrics
     limiter: RateLimiter
+    frontends: FrontendRoster = dataclasses.field(default_factory=FrontendRoster)
+    """The server's front-end processes (this one alone unless ``api_server_count`` > 1)."""
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     shutting_down: bool = False
     blocking: concurrent.futures.ThreadPoolExecutor = dataclasses.field(

@@ -13,14 +13,21 @@ import structlog
 from brigade.engine import TokenLogprob
 from brigade.output import ChoiceDelta
 from brigade.server import responses as out
-from brigade.server.errors import APIError, InternalServerError, api_error
+from brigade.server.errors import (
+    APIError,
+    InternalServerError,
+    ServerOverloadedError,
+    api_error,
+)
 from brigade.server.tools import ToolCallStream, tool_call_dicts
 
 __all__ = [
     "Collected",
     "chat_events",
+    "client_error",
     "collect",
     "completion_events",
+    "delta_failure",
     "error_event",
     "merge",
     "prepend",
@@ -54,7 +61,7 @@ async def collect(
         if delta.finish_reason is not None:
             choice.finish_reason = delta.finish_reason
         if delta.error is not None:
-            choice.error = _client_error(delta.error)
+            choice.error = client_error(delta.error)
     return [choices[i] for i in sorted(choices)]
 
 
@@ -64,7 +71,22 @@ def error_event(error: APIError) -> bytes:
     return b"data: " + error.to_body() + b"\n\n"
 
 
-def _client_error(exc: BaseException) -> APIError:
+def delta_failure(delta: ChoiceDelta) -> APIError | None:
+    """What a stream must tell its client after ``delta``: why its choice failed, or that
+    the server stopped it (finish reason "abort": the shutdown timeout ended it, the only
+    abort a client still reading can see); None when it goes on or ended normally."""
+    if delta.error is not None:
+        return client_error(delta.error)
+    if delta.finish_reason == "abort":
+        return ServerOverloadedError(
+            "The server is shutting down: it stopped this request before it finished; retry it."
+        )
+    return None
+
+
+def client_error(exc: BaseException) -> APIError:
+    """The error a streaming client is told for ``exc``; one nobody expected is logged with
+    its traceback and told as a bare 500."""
     error = api_error(exc)
     if error is None:
         structlog.get_logger("brigade.server").error(
@@ -92,7 +114,8 @@ async def chat_events(
     is sent as one ``tool_calls`` delta once it is complete, and a choice that made calls
     finishes with ``tool_calls``. A failure ends the stream with an error event (OpenAI's
     error body) before ``[DONE]``: at once when the request as a whole failed, after the
-    other choices when one choice failed (its last chunk has ``finish_reason`` "error").
+    other choices when one choice failed (its last chunk has ``finish_reason`` "error") or
+    the server stopped it (``finish_reason`` "abort": :func:`delta_failure`).
     """
     started: set[int] = set()
     parsers: dict[int, ToolCallStream] = {}
@@ -101,8 +124,8 @@ async def chat_events(
     try:
         async with aclosing(deltas):
             async for delta in deltas:
-                if delta.error is not None and failure is None:
-                    failure = _client_error(delta.error)
+                if failure is None:
+                    failure = delta_failure(delta)
                 role = None if delta.index in started else "assistant"
                 started.add(delta.index)
                 completion_tokens += len(delta.token_ids)
@@ -138,7 +161,7 @@ async def chat_events(
                 )
                 yield out.sse_event(chunk)
     except Exception as exc:  # the request as a whole failed (the engine died, ...)
-        failure = _client_error(exc)
+        failure = client_error(exc)
     if include_usage:
         usage = out.usage(prompt_tokens, completion_tokens)
         yield out.sse_event(out.chat_usage_chunk(response_id, model, created, usage))
@@ -166,8 +189,8 @@ async def completion_events(
     try:
         async with aclosing(deltas):
             async for delta in deltas:
-                if delta.error is not None and failure is None:
-                    failure = _client_error(delta.error)
+                if failure is None:
+                    failure = delta_failure(delta)
                 completion_tokens += len(delta.token_ids)
                 logprobs = None
                 if want_logprobs and delta.logprobs:
@@ -185,7 +208,7 @@ async def completion_events(
                 )
                 yield out.sse_event(chunk)
     except Exception as exc:  # the request as a whole failed (the engine died, ...)
-        failure = _client_error(exc)
+        failure = client_error(exc)
     if include_usage:
         usage = out.usage(prompt_tokens, completion_tokens)
         yield out.sse_event(out.completion_usage_chunk(response_id, model, created, usage))

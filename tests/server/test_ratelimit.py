@@ -1,9 +1,14 @@
-"""Per-key rate limiting on a fake clock: bursts, refill, token limits, eviction."""
+"""Per-key rate limiting on a fake clock: bursts, refill, token limits, eviction; in one
+process's memory and in the store that several front ends share."""
 
 from __future__ import annotations
 
+import threading
+from pathlib import Path
+
 import pytest
 
+from brigade.server.bucket_store import SharedBuckets
 from brigade.server.ratelimit import IDLE_EVICTION_S, OVERSIZED_RETRY_AFTER_S, RateLimiter
 
 
@@ -99,3 +104,75 @@ def test_invalid_arguments_are_refused(clock: FakeClock) -> None:
     limiter = RateLimiter(requests_per_minute=1, tokens_per_minute=1, clock=clock)
     with pytest.raises(ValueError, match="tokens must be >= 0"):
         limiter.acquire("key", -1)
+
+
+@pytest.fixture
+def shared_path(tmp_path: Path) -> Path:
+    """A fresh shared bucket database, as the supervisor makes it for its front ends."""
+    path = tmp_path / "buckets.sqlite"
+    SharedBuckets.create(path)
+    return path
+
+
+def test_two_limiters_on_one_shared_store_share_each_keys_budget(
+    clock: FakeClock, shared_path: Path
+) -> None:
+    """Two front ends' limiters: the key's minute allowance is spent once, whichever asks."""
+    first = RateLimiter(4, 0, clock=clock, store=SharedBuckets(shared_path))
+    second = RateLimiter(4, 0, clock=clock, store=SharedBuckets(shared_path))
+    answers = [limiter.acquire("key", 1) for limiter in (first, second, first, second, first)]
+    assert answers[:4] == [None] * 4
+    assert answers[4] == pytest.approx(15.0)  # 4 per minute: one every 15 s
+    assert second.acquire("key", 1) == pytest.approx(15.0)
+    clock.advance(15.0)  # the refill is seen by both
+    assert second.acquire("key", 1) is None
+    assert first.acquire("key", 1) == pytest.approx(15.0)
+    assert first.acquire("other", 1) is None  # keys stay independent
+
+
+def test_shared_tokens_per_minute_and_retry_after(clock: FakeClock, shared_path: Path) -> None:
+    first = RateLimiter(0, 1200, clock=clock, store=SharedBuckets(shared_path))
+    second = RateLimiter(0, 1200, clock=clock, store=SharedBuckets(shared_path))
+    assert first.acquire("key", 1000) is None
+    assert second.acquire("key", 500) == pytest.approx(15.0)  # 300 missing at 20 tokens/s
+    assert second.acquire("key", 200) is None
+    assert first.acquire("key", 1201) == OVERSIZED_RETRY_AFTER_S
+
+
+def test_concurrent_charges_on_a_shared_store_never_admit_more_than_the_limit(
+    shared_path: Path,
+) -> None:
+    """Front ends charging one key at the same moment: each charge is one transaction, so
+    the admitted total is the limit, not a multiple of it (no refill: a fixed clock)."""
+    limit, attempts, threads = 50, 60, 4
+    admitted: list[int] = []
+
+    def charge() -> None:
+        limiter = RateLimiter(limit, 0, clock=lambda: 1000.0, store=SharedBuckets(shared_path))
+        admitted.append(sum(limiter.acquire("key", 1) is None for _ in range(attempts)))
+
+    workers = [threading.Thread(target=charge) for _ in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    assert sum(admitted) == limit
+    assert len(admitted) == threads
+
+
+def test_idle_keys_are_evicted_from_a_shared_store(clock: FakeClock, shared_path: Path) -> None:
+    first = RateLimiter(1, 0, clock=clock, store=SharedBuckets(shared_path))
+    second = RateLimiter(1, 0, clock=clock, store=SharedBuckets(shared_path))
+    for index in range(100):
+        (first if index % 2 else second).acquire(f"client-{index}", 1)
+    clock.advance(IDLE_EVICTION_S / 2)
+    first.acquire("client-0", 1)  # keeps client-0 alive
+    clock.advance(IDLE_EVICTION_S / 2 + 1.0)
+    second.acquire("newcomer", 1)
+    assert first.num_keys == second.num_keys == 2  # client-0 and the newcomer
+    assert first.acquire("client-0", 1) is None  # refilled while idle, as before eviction
+
+
+def test_a_shared_store_must_have_been_created(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="no shared rate-limit database"):
+        SharedBuckets(tmp_path / "missing.sqlite")

@@ -344,7 +344,7 @@ def test_a_flood_of_connection_warnings_is_logged_once_per_window() -> None:
     assert throttle.filter(record("Invalid HTTP request received.", logging.INFO))
 
 
-def test_past_a_fractional_shutdown_timeout_streams_end_with_abort(
+def test_past_a_fractional_shutdown_timeout_streams_end_with_abort_and_an_error_event(
     served: tuple[str, subprocess.Popen],
 ) -> None:
     """Last in the module (it stops the server): shutdown_timeout_s = 0.5."""
@@ -361,4 +361,8 @@ def test_past_a_fractional_shutdown_timeout_streams_end_with_abort(
     # 0.5 s, not "no timeout": it stops long before 2000 tokens would take.
     assert process.wait(timeout=20) == 0
     assert rest[-1] == "data: [DONE]"
-    assert json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "abort"
+    assert json.loads(rest[-3][6:])["choices"][0]["finish_reason"] == "abort"
+    # Then an error event: the client is told the server stopped it.
+    error = json.loads(rest[-2][6:])["error"]
+    assert error["code"] == "server_overloaded"
+    assert "shutting down" in error["message"]

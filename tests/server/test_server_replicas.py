@@ -1,6 +1,7 @@
 """``brigade serve -dp 2``: two engine processes behind the router in the front end. A replica
-killed mid-stream fails its own request only; the other keeps serving; the last one's death
-stops the server with status 1, leaving nothing behind."""
+killed mid-stream fails its own request only; the other keeps serving, and ``/health`` and
+``/metrics`` show the loss; the last one's death stops the server with status 1, leaving
+nothing behind."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ def test_a_dead_replica_leaves_rotation_and_the_last_one_stops_the_server(
         assert len(engines) == 2
         health = httpx.get(f"{base}/health", timeout=10).json()
         assert health["num_pages"] == 2 * NUM_PAGES, health  # both replicas' pools
+        assert (health["status"], health["engines_alive"], health["engines_total"]) == ("ok", 2, 2)
 
         # Round-robin from a fresh front end: the first request goes to replica 0.
         body = {"prompt": [5, 6], "max_tokens": 2000, "ignore_eos": True, "stream": True}
@@ -48,8 +50,14 @@ def test_a_dead_replica_leaves_rotation_and_the_last_one_stops_the_server(
 
         assert [completion(base) for _ in range(3)] == [4, 4, 4]  # replica 1 serves them
         health = httpx.get(f"{base}/health", timeout=10)
-        assert health.status_code == 200
+        assert health.status_code == 200  # it still serves: a load balancer keeps it
         assert health.json()["num_pages"] == NUM_PAGES, "the dead replica is still counted"
+        assert health.json()["status"] == "degraded"
+        assert (health.json()["engines_alive"], health.json()["engines_total"]) == (1, 2)
+        assert (health.json()["frontends_alive"], health.json()["frontends_total"]) == (1, 1)
+        metrics = httpx.get(f"{base}/metrics", timeout=10).text
+        assert 'brigade:engines_alive{model_name="tiny"} 1.0' in metrics
+        assert 'brigade:engines_configured{model_name="tiny"} 2.0' in metrics
         failed = log_events(server_log(tmp_path, base), "engine_replica_failed")
         assert [(e["replica"], e["replicas_in_rotation"]) for e in failed] == [(0, 1)]
 

@@ -1,8 +1,9 @@
-"""A forced stop of the real server says so in its exit status (the drain and its timeout:
-test_server.py and test_server_hardening.py)."""
+"""A forced stop of the real server says so, to its streams and in its exit status (the drain
+and its timeout: test_server.py and test_server_hardening.py)."""
 
 from __future__ import annotations
 
+import json
 import signal
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -34,4 +35,10 @@ def test_a_second_signal_stops_at_once_with_a_status_that_says_so(
         process.send_signal(signal.SIGINT)
         assert httpx.get(f"{server}/health", timeout=10).status_code == 503
         process.send_signal(signal.SIGINT)
+        rest = [line for line in lines if line]
         assert process.wait(timeout=20) == 128 + signal.SIGINT
+    # The stream was told, not cut: an error event in OpenAI's shape, then [DONE].
+    assert rest[-1] == "data: [DONE]"
+    error = json.loads(rest[-2].removeprefix("data: "))["error"]
+    assert (error["type"], error["code"]) == ("server_error", "server_overloaded")
+    assert "stopped at once" in error["message"]
