@@ -397,6 +397,8 @@ class EngineCore:
         if self.speculation is not None:
             self.speculation.propose(self.scheduler.running)
         output = self.scheduler.schedule()
+        for request, exc in self.scheduler.take_refused():
+            self._refuse_for_policy(request, exc)
         for request in output.preempted:
             request.draft_token_ids = []
             if request in self.batch:
@@ -427,6 +429,18 @@ class EngineCore:
             return self._account(output, plan, sampled, hidden)
         except Exception as exc:
             raise _FatalStepError(f"recording the step's tokens failed: {describe(exc)}") from exc
+
+    def _refuse_for_policy(self, request: Request, exc: Exception) -> None:
+        """The scheduling policy raised because of this waiting request: fail it alone (the
+        client's fault when the policy says so with ``RequestError``)."""
+        reason = (
+            f"the scheduler {self.config.plugin('scheduler')!r} failed for this request: "
+            f"{describe(exc)}"
+        )
+        if isinstance(exc, RequestError):
+            self._fail(request, str(exc), invalid=True, param=exc.param)
+        else:
+            self._fail(request, reason)
 
     def _copy_swapped_pages(self, output: SchedulerOutput) -> None:
         for copies in (output.swap_out, output.swap_in):  # out first: ins may reuse its pages
@@ -590,8 +604,11 @@ class EngineCore:
         pending, self._pending = self._pending, []
         return pending
 
-    def _fail(self, request: Request, error: str) -> None:
-        """End ``request`` alone with ``error``; its update leaves with this step's."""
+    def _fail(
+        self, request: Request, error: str, *, invalid: bool = False, param: str | None = None
+    ) -> None:
+        """End ``request`` alone with ``error``; its update leaves with this step's.
+        ``invalid``: the request itself is at fault (``param`` names the field)."""
         logger.error("request %s failed: %s", request.request_id, error)
         try:
             self.scheduler.abort(request.request_id)
@@ -600,7 +617,9 @@ class EngineCore:
             logger.error("dropping failed request %s: %s", request.request_id, describe(exc))
         request.status = RequestStatus.FINISHED_ABORTED
         self._leave(request)
-        self._pending.append(StepUpdate(request, [], None, True, error=error))
+        self._pending.append(
+            StepUpdate(request, [], None, True, error=error, invalid=invalid, error_param=param)
+        )
 
     def _die(self, reason: str, cause: BaseException | None) -> EngineDeadError:
         self.dead = reason

@@ -89,6 +89,8 @@ class BatchScheduler:
         self.num_preemptions = 0
         self.num_steps = 0
         self._admitted_now: set[int] = set()
+        self.refused: list[tuple[Request, Exception]] = []
+        """See :meth:`take_refused`."""
         self.policy = policy(self)
 
     # -- the policy's view ----------------------------------------------------------------
@@ -204,7 +206,7 @@ class BatchScheduler:
         self, budget: int, scheduled: list[ScheduledRequest], preempted: list[Request]
     ) -> int:
         while budget > 0:
-            request = self.policy.peek()
+            request = self._peek()
             if request is None or request in preempted:
                 break
             if self._waiting.get(request.request_id) is not request:
@@ -241,6 +243,48 @@ class BatchScheduler:
             scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
         return budget
+
+    def _peek(self) -> Request | None:
+        """The policy's next waiting request. When ``peek`` raises, the request that makes it
+        raise leaves the queue (:meth:`take_refused`) and the others are served."""
+        while True:
+            try:
+                return self.policy.peek()
+            except Exception as exc:
+                culprit = self._isolate(exc)
+            self.refused.append((culprit[0], culprit[1]))
+
+    def _isolate(self, error: Exception) -> tuple[Request, Exception]:
+        """Find the waiting request without which ``peek`` works: take requests out, newest
+        first, until it does; put back the ones taken before it (oldest first, so their order
+        stands). Re-raises ``error`` when ``peek`` fails with no request at all (the policy
+        itself is broken)."""
+        newest_first = sorted(self._waiting.values(), key=lambda r: r.arrival_time, reverse=True)
+        taken: list[Request] = []
+        for request in newest_first:
+            try:
+                self.policy.remove(request)
+            except Exception:
+                break
+            taken.append(request)
+            try:
+                self.policy.peek()
+            except Exception as exc:
+                error = exc
+                continue
+            for innocent in reversed(taken[:-1]):
+                self.policy.enqueue(innocent, preempted=innocent.status is RequestStatus.PREEMPTED)
+            del self._waiting[request.request_id]
+            return request, error
+        for innocent in reversed(taken):
+            self.policy.enqueue(innocent, preempted=innocent.status is RequestStatus.PREEMPTED)
+        raise error
+
+    def take_refused(self) -> list[tuple[Request, Exception]]:
+        """Waiting requests the policy failed for since the last call (``peek`` raised because
+        of them), with its exception: they left the queue; core fails them alone."""
+        refused, self.refused = self.refused, []
+        return refused
 
     def _shares_a_prefill(self, request: Request, scheduled: Sequence[ScheduledRequest]) -> bool:
         """True when a prefill planned in this step computes at least

@@ -4,8 +4,10 @@ A request is "poisoned" by its priority: the ``faulty`` sampler's processor fail
 of requests whose priority is in :data:`POISON` (in the lifecycle method it maps to, once
 the request has ``fail_after_tokens`` output tokens; ``nan_logits`` makes the row's logits NaN
 instead of raising) and never returns from ``apply`` for requests with priority :data:`HANG`
-(a hung step, from the same token on); the ``faulty`` scheduler fails to
-add requests with priority ``fail_add_priority`` and fails ``schedule`` while a request with
+(a hung step, from the same token on) and sleeps ``slow_step_s`` once in ``apply`` for a
+request with priority :data:`SLOW` (a long step that ends); the ``faulty`` scheduler fails to
+add requests with priority ``fail_add_priority``, fails ``peek`` while a request with priority
+``fail_peek_priority`` heads its queue, and fails ``schedule`` while a request with
 priority ``fail_schedule_priority`` is queued, ``fail_schedule_times`` times at most; the
 ``brigade_request_finished`` hook raises for every request when ``FAULTY_HOOK`` is set in the
 environment, else for requests with priority :data:`HOOK_POISON`.
@@ -142,6 +144,7 @@ class FaultySchedulerOptions:
     fail_add_priority: int = option(-1, help="add() raises for this priority")
     fail_schedule_priority: int = option(-1, help="schedule() raises while one is queued")
     fail_schedule_times: int = option(1000, help="at most this many times", ge=0)
+    fail_peek_priority: int = option(-1, help="peek() raises while one is at the queue's head")
 
 
 class FaultyPolicy(FcfsPolicy):
@@ -156,6 +159,12 @@ class FaultyPolicy(FcfsPolicy):
         if request.priority == self.faults.fail_add_priority:
             raise RuntimeError("this scheduler refuses the request")
         super().enqueue(request, preempted=preempted)
+
+    def peek(self) -> Request | None:
+        head = super().peek()
+        if head is not None and head.priority == self.faults.fail_peek_priority:
+            raise KeyError(f"no deadline for {head.request_id}")
+        return head
 
     def order_running(self, running: list[Request]) -> None:
         wanted = self.faults.fail_schedule_priority

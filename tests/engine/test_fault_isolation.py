@@ -130,6 +130,46 @@ def test_a_scheduler_that_cannot_add_a_request_fails_only_that_one(llm: LLM) -> 
     assert llm.generate(PROMPTS, GREEDY)[0].outputs[0].finish_reason == "length"
 
 
+@pytest.mark.parametrize("poisoned", [0, 2], ids=["at the head", "behind others"])
+def test_a_policy_whose_peek_raises_for_one_request_fails_only_that_one(
+    model_dir: Path, poisoned: int
+) -> None:
+    """Core finds the waiting request that makes ``peek`` raise (taking requests out,
+    newest first, until it works) and fails it alone; the others keep their order."""
+    llm = faulty_llm(model_dir, "scheduler.plugin=faulty", "scheduler.fail_peek_priority=9")
+    prompts = [*PROMPTS, [17, 18, 19]]
+    priorities = [0] * len(prompts)
+    priorities[poisoned] = 9
+    alone = llm.generate([p for i, p in enumerate(prompts) if i != poisoned], GREEDY)
+    results = llm.generate(prompts, GREEDY, priority=priorities)
+    failed = results[poisoned].outputs[0]
+    assert failed.finish_reason == "error"
+    assert failed.error is not None
+    assert "the scheduler 'faulty' failed for this request: KeyError" in failed.error
+    others = [r for i, r in enumerate(results) if i != poisoned]
+    assert [r.outputs[0].finish_reason for r in others] == ["length"] * len(others)
+    assert_same_greedy_outputs(
+        outputs_of(others), outputs_of(alone), atol=LOGPROB_ATOL, label="beside a bad peek"
+    )
+    assert llm.engine.dead is None
+    assert not llm.engine.has_unfinished()
+    assert llm.engine.kv.num_free_pages() == NUM_PAGES
+
+
+def test_a_policy_whose_peek_always_raises_still_kills_the_engine(model_dir: Path) -> None:
+    """No request explains a policy that fails with an empty queue too: the engine dies
+    visibly, as for any step that fails twice."""
+    llm = faulty_llm(model_dir, "scheduler.plugin=faulty")
+    policy = llm.engine.scheduler.policy
+
+    def broken() -> None:
+        raise RuntimeError("the policy is broken")
+
+    policy.peek = broken  # type: ignore[method-assign]
+    with pytest.raises(EngineDeadError, match="the policy is broken"):
+        llm.generate(PROMPTS, GREEDY)
+
+
 def test_a_step_that_fails_once_is_retried(model_dir: Path) -> None:
     llm = faulty_llm(
         model_dir,
