@@ -237,6 +237,7 @@ def build_grammar(
         max_num_seqs=max_num_seqs,
         vocab_size=params.vocab_size,
         device=torch.device(params.device),
+        mask_budget_s=params.mask_budget_s,
     )
 
 

@@ -22,6 +22,7 @@ from brigade.assemble import ModelPath, build_executor, load_draft_model, open_m
 from brigade.config import EngineConfig, check_config
 from brigade.engine_stations import build_stations
 from brigade.errors import ConfigError, EngineDeadError, RequestError, RequestFailedError
+from brigade.grammar import SAMPLING_PATIENCE_S
 from brigade.hooks import notify_request_finished
 from brigade.interfaces import (
     DraftModel,
@@ -39,7 +40,14 @@ from brigade.pooling import Pooler
 from brigade.registry import Registry
 from brigade.sampling_stage import DraftRows, SampledTokens, TokenLogprob, describe
 from brigade.speculative import SpeculativeStats, Verified
-from brigade.step_tokens import accepted_plan, asked, record_tokens, verify_drafts, without
+from brigade.step_tokens import (
+    accepted_plan,
+    asked,
+    held_back,
+    record_tokens,
+    verify_drafts,
+    without,
+)
 
 __all__ = ["EngineCore", "EngineStats", "StepUpdate", "TokenLogprob"]
 
@@ -152,6 +160,8 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self._generators: dict[str, torch.Generator] = {}
         self.num_steps = 0
+        self._forward_s = 0.0
+        """The latest forward pass's duration (how long a step may wait for late masks)."""
         self._queue_time_total = 0.0
         self._num_scheduled = 0
         torch.manual_seed(config["model"].settings.seed)
@@ -345,6 +355,12 @@ class EngineCore:
     def _num_compiling(self) -> int:
         return self.grammar.num_waiting if self.grammar is not None else 0
 
+    def warm_up(self) -> None:
+        """One-time set-up a server does before it takes requests, so that the first request
+        needing it does not take it from the step loop (the grammar backend's)."""
+        if self.grammar is not None:
+            self.grammar.warm_up()
+
     def stats(self) -> EngineStats:
         """Scheduler and KV counters plus queue time, for policy comparisons."""
         scheduler, kv = self.scheduler.stats(), self.kv.stats()
@@ -419,12 +435,16 @@ class EngineCore:
             return self._take_pending()
         plan = self.batch.prepare(output.scheduled, self.kv)
         hidden: torch.Tensor | None = None
+        if self.grammar is not None and self.grammar.is_active:
+            self.grammar.settle(self._forward_s)  # quick masks finish before, not during, it
+        started = time.perf_counter()
         if plan.model_input.hidden_indices is not None:
             result, hidden = self.executor.execute_with_hidden_states(plan.model_input)
         else:
             result = self.executor.execute(plan.model_input)
+        self._forward_s = time.perf_counter() - started
         self.num_steps += 1
-        sampled = self._sample(result, plan)
+        sampled = self._sample(result, plan, SAMPLING_PATIENCE_S)
         try:  # tokens are being handed out: a retry would hand them out twice
             return self._account(output, plan, sampled, hidden)
         except Exception as exc:
@@ -453,7 +473,7 @@ class EngineCore:
                         f"copying swapped KV pages failed: {describe(exc)}"
                     ) from exc
 
-    def _sample(self, result: torch.Tensor, plan: StepPlan) -> SampledTokens:
+    def _sample(self, result: torch.Tensor, plan: StepPlan, patience_s: float) -> SampledTokens:
         if not plan.sampled:
             return SampledTokens([], None, {})
         if self._executor_returns_token_ids:  # no logits: no processors, no sampler
@@ -467,7 +487,11 @@ class EngineCore:
                     drafts.append(DraftRows(request, row, offset, request.draft_token_ids[:count]))
         # Recomputing reruns the same forward pass, which rewrites the same KV entries.
         return self.sampling.sample(
-            result, plan.logits_rows, lambda: self.executor.execute(plan.model_input), drafts
+            result,
+            plan.logits_rows,
+            lambda: self.executor.execute(plan.model_input),
+            drafts,
+            patience_s=patience_s,
         )
 
     def _account(
@@ -488,12 +512,28 @@ class EngineCore:
             logprobs = None if sampled.logprobs is None else [[lp] for lp in sampled.logprobs]
             failures = sampled.failures
         failed = {requests[index]: error for index, error in failures.items()}
+        invalid: set[Request] = set()
+        """Failed requests that caused their failure (their grammar overran its budget)."""
         updates: list[StepUpdate] = []
         finished: list[Request] = []
         if plan.pooled:
             self._pool(plan, hidden, updates, finished, failed)
-        if failed:  # rare: take the failed rows out of the step
-            keep = [i for i in range(len(requests)) if i not in failures]
+        late = self._skipped_requests(plan, sampled)
+        for request, error in self._grammar_ended():
+            late.add(request)
+            if error is None:  # its grammar ended with its previous token
+                request.status = RequestStatus.FINISHED_STOPPED
+                finished.append(request)
+                updates.append(StepUpdate(request, [], None, True))
+            else:
+                failed[request] = error
+                invalid.add(request)
+        if failed or late:  # rare: take the failed and skipped rows out of the step
+            keep = [
+                i
+                for i, request in enumerate(requests)
+                if i not in failures and request not in failed and request not in late
+            ]
             requests = tuple(requests[i] for i in keep)
             rows, tokens = [rows[i] for i in keep], [tokens[i] for i in keep]
             logprobs = None if logprobs is None else [logprobs[i] for i in keep]
@@ -502,6 +542,10 @@ class EngineCore:
             rejected, complete = record_tokens(
                 self.batch, self.sampling, self.grammar, requests, rows, tokens
             )
+            for request, error in self._grammar_ended():  # failed accepting several tokens
+                if error is not None:
+                    rejected[requests.index(request)] = error
+                    invalid.add(request)
             for index, (request, new) in enumerate(zip(requests, tokens, strict=True)):
                 if index in rejected:
                     failed[request] = rejected[index]
@@ -533,8 +577,13 @@ class EngineCore:
         if verified is not None:
             assert self.speculation is not None
             output = accepted_plan(self.speculation, output, requests, verified, failed)
+        if late:
+            output = held_back(output, late)
         for request, error in failed.items():
-            self._fail(request, error)
+            if request in invalid:
+                self._fail(request, error, invalid=True, param="structured_output")
+            else:
+                self._fail(request, error)
         if failed:
             output = without(output, failed)
         self.scheduler.update(output, finished)
@@ -548,6 +597,27 @@ class EngineCore:
             return updates
         pending.extend(updates)
         return pending
+
+    def _skipped_requests(self, plan: StepPlan, sampled: SampledTokens) -> set[Request]:
+        """The sampled requests whose logits row the sampling stage skipped (a late mask)."""
+        if not sampled.skipped:
+            return set()
+        return {
+            request
+            for request, offset in zip(plan.sampled, plan.logits_offsets, strict=True)
+            if offset in sampled.skipped
+        }
+
+    def _grammar_ended(self) -> list[tuple[Request, str | None]]:
+        """Requests whose grammar ended (None) or failed (why) since the last call, among
+        those still in the engine."""
+        if self.grammar is None:
+            return []
+        return [
+            (request, error)
+            for request, error in self.grammar.take_ended()
+            if self.requests.get(request.request_id) is request
+        ]
 
     def _pool(
         self,

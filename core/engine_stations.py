@@ -130,7 +130,13 @@ def build_stations(
         grammar = build_grammar(
             config,
             registry,
-            GrammarParams(spec.vocab_size, eos, str(device), checkpoint=checkpoint),
+            GrammarParams(
+                spec.vocab_size,
+                eos,
+                str(device),
+                checkpoint=checkpoint,
+                mask_budget_s=config["grammar"].settings.mask_budget_ms / 1000,
+            ),
             settings.max_num_seqs,
         )
         processors.append(grammar)  # last: nothing re-enables what it masks

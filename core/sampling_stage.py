@@ -80,6 +80,9 @@ class SampledTokens:
     drafts_checked: bool = True
     """False when the step fell back to sampling row by row: the tokens at draft positions
     were drawn without the logits stages' state after the drafts, so no draft is accepted."""
+    skipped: frozenset[int] = frozenset()
+    """Indices of rows not sampled: their grammar's mask was late, or their grammar ended or
+    failed (``GrammarManager.take_ended``). Their entries in ``token_ids`` are meaningless."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -165,6 +168,8 @@ class SamplingStage:
         rows: list[int],
         recompute: Callable[[], torch.Tensor],
         drafts: Sequence[DraftRows] = (),
+        *,
+        patience_s: float | None = None,
     ) -> SampledTokens:
         """Sample one token for each logits row of ``logits`` [S, vocab]; ``rows`` [S] are
         their persistent rows (a request verifying drafts has one per position, in order).
@@ -174,9 +179,11 @@ class SamplingStage:
         is advanced through the drafts before the next position and rolled back after, so
         the logits at a draft's position are edited as if the drafts before it had been
         accepted. ``recompute`` returns the step's logits again (used only after a failure).
+        ``patience_s`` is how long the step may wait for a late grammar mask before the row
+        sits the step out (``GrammarManager.begin_step``).
         """
         try:
-            tokens, logprobs = self._sample_rows(logits, rows, drafts)
+            tokens, logprobs, skipped = self._sample_rows(logits, rows, drafts, patience_s)
         except _StageError as failure:
             logger.warning(
                 "sampling a batch of %d rows failed (%s); sampling each row alone",
@@ -187,20 +194,27 @@ class SamplingStage:
             return dataclasses.replace(sampled, drafts_checked=not drafts)
         failures: dict[int, str] = {}
         if tokens and (min(tokens) < 0 or max(tokens) >= self.vocab_size):
-            failures = self._out_of_vocabulary(tokens)
-        return SampledTokens(tokens, logprobs, failures)
+            failures = self._out_of_vocabulary(tokens, skipped)
+        return SampledTokens(tokens, logprobs, failures, skipped=frozenset(skipped))
 
-    def accept(self, rows: list[int], token_ids: list[int]) -> dict[int, str]:
+    def accept(
+        self, rows: list[int], token_ids: list[int], *, one_per_row: bool = False
+    ) -> dict[int, str]:
         """Give each processor the step's tokens; index of a failed row -> why.
 
         A processor whose ``accept_batch`` raises is given the rows one at a time to find
         the ones it fails for (the contract asks it to raise before recording anything).
+        With ``one_per_row`` (each row's one token of the step) the grammar takes them off
+        the step thread (``GrammarManager.advance``).
         """
         failures: dict[int, str] = {}
         for processor in self.processors:
             if not processor.needs_tokens:
                 continue
             try:
+                if one_per_row and isinstance(processor, GrammarManager):
+                    processor.advance(rows, token_ids)
+                    continue
                 processor.accept_batch(rows, token_ids)
             except Exception:
                 for index, (row, token) in enumerate(zip(rows, token_ids, strict=True)):
@@ -221,31 +235,53 @@ class SamplingStage:
     # -- internals ----------------------------------------------------------------------
 
     def _sample_rows(
-        self, logits: torch.Tensor, rows: list[int], drafts: Sequence[DraftRows] = ()
-    ) -> tuple[list[int], list[TokenLogprob | None] | None]:
+        self,
+        logits: torch.Tensor,
+        rows: list[int],
+        drafts: Sequence[DraftRows] = (),
+        patience_s: float | None = None,
+    ) -> tuple[list[int], list[TokenLogprob | None] | None, set[int]]:
+        """The rows' tokens and logprobs, and the indices of the rows not sampled (-1)."""
         active = [processor for processor in self.processors if processor.is_active]
         batch = self.batch.sampling_batch(rows, self.device)
+        skipped: set[int] = set()
         if drafts and _depends_on_drafts(active, drafts):
             logits = self._apply_by_position(logits, rows, drafts, active)
         else:
             for processor in active:  # host work (bitmasks) while the device runs the model
-                _guarded(_name(processor), processor.begin_step, rows)
+                if isinstance(processor, GrammarManager):
+                    _guarded(_name(processor), processor.begin_step, rows, patience_s)
+                    skipped = set(processor.skipped_indices())
+                else:
+                    _guarded(_name(processor), processor.begin_step, rows)
             for processor in active:
                 logits = _guarded(_name(processor), processor.apply, logits, batch.rows)
+        sampled_rows = rows
+        if skipped:  # rare: sample only the others (no seeded generator advances for them)
+            kept = [index for index in range(len(rows)) if index not in skipped]
+            if not kept:
+                return [-1] * len(rows), None, skipped
+            sampled_rows = [rows[index] for index in kept]
+            logits = logits[kept]
+            batch = self.batch.sampling_batch(sampled_rows, self.device)
         sampler = f"the sampler {self.sampler_name!r}"
         result = _guarded(sampler, self.sampler.sample, logits, batch)
         tokens: list[int] = result.token_ids.tolist()  # the step's one device-to-host sync
-        if result.logprobs is None or result.logprob_token_ids is None:
-            return tokens, None
-        values, ids = result.logprobs.tolist(), result.logprob_token_ids.tolist()
-        logprobs: list[TokenLogprob | None] = []
-        for index, row in enumerate(rows):
-            wanted = self.batch.num_logprobs[row]
-            top = tuple(zip(ids[index][1 : 1 + wanted], values[index][1 : 1 + wanted], strict=True))
-            logprobs.append(
-                TokenLogprob(ids[index][0], values[index][0], top) if wanted >= 0 else None
-            )
-        return tokens, logprobs
+        logprobs: list[TokenLogprob | None] | None = None
+        if result.logprobs is not None and result.logprob_token_ids is not None:
+            values, ids = result.logprobs.tolist(), result.logprob_token_ids.tolist()
+            logprobs = []
+            for index, row in enumerate(sampled_rows):
+                wanted = self.batch.num_logprobs[row]
+                top = tuple(
+                    zip(ids[index][1 : 1 + wanted], values[index][1 : 1 + wanted], strict=True)
+                )
+                logprobs.append(
+                    TokenLogprob(ids[index][0], values[index][0], top) if wanted >= 0 else None
+                )
+        if skipped:
+            tokens, logprobs = _spread(tokens, logprobs, len(rows), skipped)
+        return tokens, logprobs, skipped
 
     def _apply_by_position(
         self,
@@ -318,27 +354,34 @@ class SamplingStage:
         logprobs: list[TokenLogprob | None] = []
         any_logprobs = False
         failures: dict[int, str] = {}
+        skipped: set[int] = set()
         for index, row in enumerate(rows):
             try:
-                row_tokens, row_logprobs = self._sample_rows(logits[index : index + 1], [row])
+                row_tokens, row_logprobs, row_skipped = self._sample_rows(
+                    logits[index : index + 1], [row]
+                )
             except _StageError as failure:
                 failures[index] = failure.reason()
                 tokens.append(-1)
                 logprobs.append(None)
                 continue
             token = row_tokens[0]
-            if not 0 <= token < self.vocab_size:
+            if row_skipped:
+                skipped.add(index)
+            elif not 0 <= token < self.vocab_size:
                 failures[index] = self._token_failure(token)
             tokens.append(token)
             any_logprobs = any_logprobs or row_logprobs is not None
             logprobs.append(None if row_logprobs is None else row_logprobs[0])
-        return SampledTokens(tokens, logprobs if any_logprobs else None, failures)
+        return SampledTokens(
+            tokens, logprobs if any_logprobs else None, failures, skipped=frozenset(skipped)
+        )
 
-    def _out_of_vocabulary(self, tokens: list[int]) -> dict[int, str]:
+    def _out_of_vocabulary(self, tokens: list[int], skipped: set[int]) -> dict[int, str]:
         return {
             index: self._token_failure(token)
             for index, token in enumerate(tokens)
-            if not 0 <= token < self.vocab_size
+            if not 0 <= token < self.vocab_size and index not in skipped
         }
 
     def _token_failure(self, token: int) -> str:
@@ -348,6 +391,24 @@ class SamplingStage:
             f"the sampler {self.sampler_name!r} returned token id {token}, outside the "
             f"vocabulary [0, {self.vocab_size})"
         )
+
+
+def _spread(
+    tokens: list[int],
+    logprobs: list[TokenLogprob | None] | None,
+    num_rows: int,
+    skipped: set[int],
+) -> tuple[list[int], list[TokenLogprob | None] | None]:
+    """The kept rows' tokens (and logprobs) at their places among ``num_rows``; -1 (and
+    None) at the skipped ones."""
+    sampled = iter(tokens)
+    spread = [-1 if index in skipped else next(sampled) for index in range(num_rows)]
+    if logprobs is None:
+        return spread, None
+    sampled_logprobs = iter(logprobs)
+    return spread, [
+        None if index in skipped else next(sampled_logprobs) for index in range(num_rows)
+    ]
 
 
 def _depends_on_drafts(active: Sequence[LogitsProcessor], drafts: Sequence[DraftRows]) -> bool:

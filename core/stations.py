@@ -8,6 +8,7 @@ from brigade.interfaces import option
 
 __all__ = [
     "STATIONS",
+    "GrammarSettings",
     "KVSettings",
     "ModelSettings",
     "NoSettings",
@@ -147,10 +148,27 @@ class SamplerSettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class GrammarSettings:
+    mask_budget_ms: float = option(
+        100.0,
+        help="longest a constrained request's grammar may take to compute one token's mask (or "
+        "to accept one token), off the step loop: past it the request fails alone (400) and "
+        "the others keep their pace",
+        gt=0,
+        le=60000,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
 class ServerSettings:
     host: str = option("127.0.0.1", help="address to listen on")
     port: int = option(8000, help="TCP port", ge=0, le=65535)
-    api_keys: tuple[str, ...] = option((), help="accepted bearer tokens; empty = no authentication")
+    api_keys: tuple[str, ...] = option(
+        (),
+        help="accepted bearer tokens; empty = no authentication. Each key is one or more "
+        "visible characters: no spaces, tabs, line breaks or control characters (an empty or "
+        "blank key is an error, not an open server)",
+    )
     served_model_name: str = option("", help="model id clients use; '' = the directory name")
     max_request_bytes: int = option(1 << 20, help="largest request body accepted", ge=1024)
     max_waiting_requests: int = option(
@@ -322,7 +340,7 @@ STATIONS: dict[str, Station] = {
             "grammar",
             "grammar",
             "xgrammar",
-            NoSettings,
+            GrammarSettings,
             "Structured output: compiles a request's grammar and masks its logits to it.",
         ),
         Station(

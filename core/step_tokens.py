@@ -13,7 +13,7 @@ from brigade.persistent_batch import PersistentBatch, StepPlan
 from brigade.sampling_stage import SampledTokens, SamplingStage, TokenLogprob
 from brigade.speculative import Speculation, Verified, verify
 
-__all__ = ["accepted_plan", "asked", "record_tokens", "verify_drafts", "without"]
+__all__ = ["accepted_plan", "asked", "held_back", "record_tokens", "verify_drafts", "without"]
 
 
 def verify_drafts(
@@ -60,14 +60,14 @@ def record_tokens(
 
     Returns the index of each request a processor failed for -> why, and the index of each
     request whose grammar completed -> after how many of its tokens (nothing but a stop
-    token could follow them: the rest are dropped).
+    token could follow them: the rest are dropped). With one token per request the grammar
+    takes them off the step thread: a grammar that completed shows in the next step
+    (``GrammarManager.take_ended``).
     """
     if all(len(new) == 1 for new in tokens):
         firsts = [new[0] for new in tokens]
         batch.append_tokens(rows, [request.num_tokens for request in requests], firsts)
-        failed = sampling.accept(rows, firsts)
-        done = sampling.finished_rows(grammar) if grammar is not None else set()
-        return failed, {i: 1 for i, row in enumerate(rows) if row in done}
+        return sampling.accept(rows, firsts, one_per_row=True), {}
     flat_rows: list[int] = []
     positions: list[int] = []
     flat_tokens: list[int] = []
@@ -136,3 +136,17 @@ def without(output: SchedulerOutput, requests: Collection[Request]) -> Scheduler
     """``output`` less the entries of ``requests`` (which failed in this step)."""
     kept = tuple(item for item in output.scheduled if item.request not in requests)
     return dataclasses.replace(output, scheduled=kept)
+
+
+def held_back(output: SchedulerOutput, requests: Collection[Request]) -> SchedulerOutput:
+    """``output`` with each of ``requests`` computing one token fewer: its last token's
+    logits were not sampled (its grammar's mask was late), so that token is computed again
+    next step (the same KV entry, rewritten) and sampled then."""
+    held = set(map(id, requests))
+    scheduled = tuple(
+        dataclasses.replace(item, num_new_tokens=item.num_new_tokens - 1, num_draft_tokens=0)
+        if id(item.request) in held
+        else item
+        for item in output.scheduled
+    )
+    return dataclasses.replace(output, scheduled=scheduled)

@@ -71,7 +71,7 @@ from brigade.interfaces.sampling import (
 )
 from brigade.interfaces.scheduler import SchedulerParams, SchedulerView, SchedulingPolicy
 
-API_VERSION = "2.5"
+API_VERSION = "2.6"
 """The plugin API version, "MAJOR.MINOR". MINOR grows when contracts gain backwards-compatible
 additions (a new optional method, a new field with a default): a plugin built for 2.0 runs on
 2.1, one built for 2.1 is refused by 2.0. MAJOR grows on any change that can break an existing

@@ -42,10 +42,19 @@ class GrammarParams:
     checkpoint: Checkpoint | None = None
     """The opened model: ``checkpoint.tokenizer()`` gives the vocabulary's strings (None for
     an engine without a model, e.g. a unit test)."""
+    mask_budget_s: float = 0.1
+    """``[grammar] mask_budget_ms``: the longest one mask (or one accepted token) may take.
+    Core enforces it while a request runs; a backend may refuse at compile time a grammar
+    whose first mask already takes longer (API 2.6)."""
 
 
 class GrammarMatcher(abc.ABC):
-    """One request's position in its grammar. Used from the engine thread only."""
+    """One request's position in its grammar.
+
+    Core calls a matcher off the engine's step thread, one call at a time (never two at
+    once on one matcher; different matchers may be called at the same time from different
+    threads), and fails its request when a call takes longer than ``mask_budget_s``: the
+    matcher is then never called again, though the call in flight is left to finish."""
 
     @abc.abstractmethod
     def fill_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
@@ -72,16 +81,20 @@ class GrammarBackend(abc.ABC):
     Constructed as ``factory(params: GrammarParams, options)``, once per engine. Compiling
     may be slow (a large JSON schema): :meth:`compile` returns at once with a future, and
     must be thread-safe (the server admits requests on its event loop while the engine
-    steps). Cache compiled grammars by spec if compiling costs.
+    steps). Cache compiled grammars by spec if compiling costs, and bound what a client can
+    make it spend: the spec's size, the compile's time, the cache's memory.
     """
 
     @abc.abstractmethod
     def compile(self, spec: StructuredOutput) -> Future[Any]:
         """Start compiling ``spec``; the future's result is what :meth:`matcher` takes.
 
-        The future fails with ``ValueError`` saying why when the spec is invalid or uses a
-        feature the backend cannot enforce (never silently ignore a constraint): the request
-        is refused with that message.
+        The future fails with ``ValueError`` saying why when the spec is invalid, too
+        large, too slow to compile or uses a feature the backend cannot enforce (never
+        silently ignore a constraint): the request is refused with that message. Each call
+        returns a future of its own: core cancels it when the request leaves before its
+        grammar is ready, and the backend may then stop the compile if no other caller
+        still waits for the same spec.
         """
 
     @abc.abstractmethod
@@ -107,6 +120,12 @@ class GrammarBackend(abc.ABC):
         selected = logits[rows]
         selected.masked_fill_(~allowed[:, :vocab], float("-inf"))
         logits[rows] = selected
+
+    def warm_up(self) -> None:  # noqa: B027 - optional hook with a no-op default
+        """Do now the one-time work the first compile would otherwise do while requests run
+        (loading libraries, building the vocabulary's tables): a server calls it once before
+        it takes requests (API 2.6). Never raises for a missing resource: :meth:`compile`
+        reports that."""
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook with a no-op default
         """Stop compile threads; called once when the engine shuts down."""

@@ -49,6 +49,7 @@ class EngineLoop:
 
     def __init__(self, engine: EngineCore, socket: zmq.Socket[bytes]) -> None:
         self.engine = engine
+        engine.warm_up()
         self.socket = socket
         self.info = wire.engine_info(engine, os.getpid())
         self._owners: dict[str, bytes] = {}

@@ -37,6 +37,7 @@ __all__ = ["build_state", "frontend_state", "run_http", "serve"]
 def build_state(config: EngineConfig, registry: Registry) -> ServerState:
     """Load the model and every component; start the engine thread (thread mode)."""
     engine = EngineCore(config, registry)
+    engine.warm_up()
     settings = config["server"].settings
     async_engine = AsyncEngine(
         engine,

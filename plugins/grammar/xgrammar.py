@@ -1,22 +1,25 @@
 """The ``xgrammar`` grammar backend: structured output on XGrammar.
 
 :class:`XGrammarBackend` builds XGrammar's tokenizer info from the model's tokenizer (lazily,
-on the first structured request), compiles grammars on a small thread pool so that the step
-loop never waits for a cold schema, and caches the compiled grammars by their
-:class:`~brigade.interfaces.StructuredOutput` (LRU, failures included, so a bad schema sent
-again fails fast). What XGrammar would silently not enforce (some JSON-schema keywords,
-lookaround in regexes) is refused with a message instead. :class:`XGrammarMatcher` wraps one
-``xgrammar.GrammarMatcher``; core's grammar manager drives both.
+on the first structured request), compiles grammars in worker processes
+(``brigade.plugins.grammar.compile_pool``) so that the step loop never waits for a cold
+schema and a compile past ``compile_timeout_s``, or one nobody waits for any more, is stopped,
+and caches the compiled grammars by their :class:`~brigade.interfaces.StructuredOutput` (LRU
+within ``cache_size`` grammars and ``cache_mib``, failures included, so a bad schema sent again
+fails fast). What XGrammar would silently not enforce (some JSON-schema keywords, lookaround in
+regexes) is refused with a message instead (``brigade.plugins.grammar.schema_checks``).
+:class:`XGrammarMatcher` wraps one ``xgrammar.GrammarMatcher``; core's grammar manager drives
+both.
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
-import json
+import functools
 import logging
-import re
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -30,162 +33,15 @@ from brigade.interfaces import (
     StructuredOutput,
     option,
 )
+from brigade.plugins.grammar.compile_pool import CompileJob, CompilePool
+from brigade.plugins.grammar.compile_worker import CompileLimits
+from brigade.plugins.grammar.schema_checks import check_json_schema, describe_kind
 
 __all__ = ["XGrammarBackend", "XGrammarMatcher", "XGrammarOptions", "check_json_schema"]
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_FORMATS = frozenset(
-    {
-        "date-time",
-        "time",
-        "date",
-        "duration",
-        "email",
-        "hostname",
-        "ipv4",
-        "ipv6",
-        "uri",
-        "uri-reference",
-        "uri-template",
-        "json-pointer",
-        "relative-json-pointer",
-        "uuid",
-    }
-)
-"""String ``format`` values XGrammar enforces; it would silently ignore others: refused."""
-
-UNSUPPORTED_KEYWORDS = {
-    "not": "negation",
-    "if": "conditional subschemas",
-    "then": "conditional subschemas",
-    "else": "conditional subschemas",
-    "dependentSchemas": "dependent subschemas",
-    "unevaluatedProperties": "unevaluated properties",
-    "unevaluatedItems": "unevaluated items",
-    "contains": "array contains",
-    "minContains": "array contains",
-    "maxContains": "array contains",
-    "dependentRequired": "dependent required properties",
-}
-"""JSON-schema keywords XGrammar does not enforce (it would ignore them, not fail)."""
-
-_LOOKAROUND = re.compile(r"\(\?<?[=!]")
-"""Lookahead/lookbehind groups, which XGrammar's regex ignores."""
-
-_CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (?:Warning: )?")
-"""XGrammar's C++ error prefix (``[14:11:21] /project/cpp/file.cc:94: ``)."""
-
-# Where check_json_schema looks for subschemas (keywords it refuses outright are not walked).
-_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
-_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SUBSCHEMAS = ("items", "additionalProperties", "propertyNames")
-
-
-def check_json_schema(schema: object, path: str = "#") -> None:
-    """Raise ``ValueError`` naming the first keyword XGrammar would not enforce.
-
-    XGrammar compiles most of JSON Schema; what it cannot enforce it would drop without a
-    word, and the answer might then not validate. Refusing those keywords keeps
-    ``response_format`` a guarantee.
-    """
-    if isinstance(schema, bool):
-        return
-    if not isinstance(schema, dict):
-        raise ValueError(f"the schema at {path} is a {type(schema).__name__}, not an object")
-    for keyword, feature in UNSUPPORTED_KEYWORDS.items():
-        if keyword in schema:
-            raise ValueError(
-                f"JSON schema keyword {keyword!r} at {path} ({feature}) is not supported by "
-                "structured output"
-            )
-    all_of = schema.get("allOf")
-    if isinstance(all_of, list) and len(all_of) > 1:
-        raise ValueError(
-            f"JSON schema keyword 'allOf' with {len(all_of)} subschemas at {path} is not "
-            "supported by structured output (merge them into one schema)"
-        )
-    one_of = schema.get("oneOf")
-    if isinstance(one_of, list) and len(one_of) > 1 and not _disjoint(one_of):
-        raise ValueError(
-            f"JSON schema keyword 'oneOf' at {path} with branches that may overlap is not "
-            "supported by structured output (it could only be enforced as anyOf): use anyOf, "
-            "or make the branches disjoint by type or by a required property with a different "
-            "const in each"
-        )
-    if schema.get("uniqueItems") is True:
-        raise ValueError(
-            f"JSON schema keyword 'uniqueItems' at {path} is not supported by structured output"
-        )
-    if "multipleOf" in schema and schema.get("type") != "integer":
-        raise ValueError(
-            f"JSON schema keyword 'multipleOf' at {path} is not supported by structured output "
-            'except on integers (add "type": "integer")'
-        )
-    if ("pattern" in schema or "format" in schema) and (
-        "minLength" in schema or "maxLength" in schema
-    ):
-        raise ValueError(
-            f"minLength/maxLength together with pattern or format at {path} are not supported "
-            "by structured output (put the length into the pattern, e.g. ^[a-z]{1,8}$)"
-        )
-    pattern = schema.get("pattern")
-    if isinstance(pattern, str):
-        check_regex(pattern, f"the pattern at {path}")
-    fmt = schema.get("format")
-    if fmt is not None and fmt not in SUPPORTED_FORMATS:
-        raise ValueError(
-            f"string format {fmt!r} at {path} is not supported by structured output; "
-            f"supported: {', '.join(sorted(SUPPORTED_FORMATS))} (or use 'pattern')"
-        )
-    for key in _SUBSCHEMA_MAPS:
-        children = schema.get(key)
-        if isinstance(children, dict):
-            for name, child in children.items():
-                check_json_schema(child, f"{path}/{key}/{name}")
-    for key in _SUBSCHEMA_LISTS:
-        children = schema.get(key)
-        if isinstance(children, list):
-            for index, child in enumerate(children):
-                check_json_schema(child, f"{path}/{key}/{index}")
-    for key in _SUBSCHEMAS:
-        if key in schema and isinstance(schema[key], dict | bool):
-            check_json_schema(schema[key], f"{path}/{key}")
-
-
-def check_regex(regex: str, what: str = "the regular expression") -> None:
-    """Refuse lookahead and lookbehind, which XGrammar's regex would silently ignore."""
-    if _LOOKAROUND.search(regex):
-        raise ValueError(
-            f"{what} uses lookahead or lookbehind, which is not supported by structured output"
-        )
-
-
-def _disjoint(branches: list[Any]) -> bool:
-    """Whether no JSON value can match two ``oneOf`` branches (so anyOf is the same).
-
-    Provable cases only: every branch has one distinct ``type`` (integer and number overlap),
-    or every branch requires one property whose ``const`` differs between branches.
-    """
-    if not all(isinstance(branch, dict) for branch in branches):
-        return False
-    types = [branch.get("type") for branch in branches]
-    if all(isinstance(t, str) for t in types):
-        kinds = ["number" if t == "integer" else t for t in types]
-        if len(set(kinds)) == len(kinds):
-            return True
-    common = set.intersection(*(set(branch.get("required", ())) for branch in branches))
-    for name in common:
-        consts = []
-        for branch in branches:
-            prop = branch.get("properties", {}).get(name)
-            if not isinstance(prop, dict) or "const" not in prop:
-                break
-            consts.append(json.dumps(prop["const"], sort_keys=True))
-        else:
-            if len(set(consts)) == len(consts):
-                return True
-    return False
+MIB = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,9 +57,31 @@ class XGrammarOptions:
         le=64,
     )
     compile_threads: int = option(
-        2, help="threads compiling grammars off the step loop", ge=1, le=64
+        2,
+        help="grammars compiled at once, off the step loop, each in a worker process of its "
+        "own (so that a compile past its time limit, or whose clients left, is stopped)",
+        ge=1,
+        le=64,
+    )
+    max_grammar_bytes: int = option(
+        256 * 1024,
+        help="largest grammar a request may send (its JSON schema, regex, EBNF, choices or "
+        "tools as compiled), in bytes; larger ones are refused (400) before compiling",
+        ge=1024,
+    )
+    compile_timeout_s: float = option(
+        10.0,
+        help="a grammar that takes longer to compile is refused (400) and its compile stopped",
+        gt=0,
+        le=3600,
     )
     cache_size: int = option(256, help="compiled grammars kept (LRU, keyed by the grammar)", ge=1)
+    cache_mib: int = option(
+        128,
+        help="memory the kept compiled grammars may take, in MiB (LRU); a grammar that "
+        "compiles to more than this is refused (400)",
+        ge=1,
+    )
 
 
 class XGrammarMatcher(GrammarMatcher):
@@ -236,7 +114,7 @@ class XGrammarMatcher(GrammarMatcher):
 
 
 class XGrammarBackend(GrammarBackend):
-    """Tokenizer info, compiler, compile pool and compiled-grammar cache of one engine.
+    """Tokenizer info, compile workers and compiled-grammar cache of one engine.
 
     Thread-safe: :meth:`compile` may be called from the engine thread and from the server's
     event loop at once.
@@ -247,17 +125,22 @@ class XGrammarBackend(GrammarBackend):
         self.options = options
         self.max_whitespace = options.max_whitespace
         self.cache_size = options.cache_size
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=options.compile_threads, thread_name_prefix="brigade-grammar"
-        )
+        self.cache_bytes = options.cache_mib * MIB
         self._lock = threading.Lock()
-        self._compiler_lock = threading.Lock()
-        self._compiler: Any = None
-        self._cache: collections.OrderedDict[StructuredOutput, concurrent.futures.Future[Any]] = (
+        self._cache: collections.OrderedDict[StructuredOutput, CompileJob] = (
             collections.OrderedDict()
         )
-        self.num_compiled = 0
-        """Grammars compiled so far (cache misses)."""
+        self._cached_bytes = 0
+        self._pool = CompilePool(
+            options.compile_threads,
+            CompileLimits(
+                options.max_whitespace,
+                options.compile_timeout_s,
+                self.cache_bytes,
+                params.mask_budget_s,
+            ),
+            self._tokenizer_info,
+        )
         words = -(-params.vocab_size // 32)
         self._scratch = torch.full((1, words), -1, dtype=torch.int32)
         self._non_stop = torch.full((words,), -1, dtype=torch.int32)
@@ -266,31 +149,49 @@ class XGrammarBackend(GrammarBackend):
             if 0 <= token < params.vocab_size:
                 self._non_stop[token // 32] &= ~(1 << (token % 32))
 
+    @property
+    def num_compiled(self) -> int:
+        """Grammars compiled so far (cache misses)."""
+        return self._pool.num_compiled
+
     def compile(self, spec: StructuredOutput) -> concurrent.futures.Future[Any]:
-        """The compiled grammar for ``spec``, as a future (done at once on a cache hit).
+        """The compiled grammar for ``spec``, as a future of the caller's own (done at once
+        on a cache hit); cancelling it stops the compile when no other caller waits for it.
 
         A future that fails raises ``ValueError`` with the reason (invalid schema, regex or
-        grammar, or a feature structured output cannot enforce).
+        grammar, a feature structured output cannot enforce, or past a limit: the grammar's
+        size, its compile time, its compiled size, its first mask's time).
         """
+        caller: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        size = len(spec.spec.encode())
+        if size > self.options.max_grammar_bytes:
+            caller.set_exception(
+                ValueError(
+                    f"the {describe_kind(spec.kind)} is {size} bytes, more than [grammar] "
+                    f"max_grammar_bytes = {self.options.max_grammar_bytes} allows"
+                )
+            )
+            return caller
         with self._lock:
-            future = self._cache.get(spec)
-            if future is not None:
+            job = self._cache.get(spec)
+            if job is not None:
                 self._cache.move_to_end(spec)
-                return future
-            future = self._pool.submit(self._compile, spec)
-            self._cache[spec] = future
-            while len(self._cache) > self.cache_size:
-                oldest = next(iter(self._cache))
-                if not self._cache[oldest].done():
-                    break  # never drop a compile in flight
-                del self._cache[oldest]
-            return future
+            else:
+                job = CompileJob(spec)
+                self._cache[spec] = job
+                job.future.add_done_callback(functools.partial(self._compiled, job))
+                self._pool.submit(job)
+            job.waiters += 1
+        job.future.add_done_callback(functools.partial(_pass_on, caller=caller))
+        caller.add_done_callback(functools.partial(self._left, job))
+        return caller
 
     def matcher(self, compiled: Any) -> XGrammarMatcher:
         import xgrammar as xgr
 
         matcher = xgr.GrammarMatcher(compiled, max_rollback_tokens=-1)
-        return XGrammarMatcher(matcher, self._non_stop, self._scratch)
+        # A scratch row of its own: core calls different matchers from different threads.
+        return XGrammarMatcher(matcher, self._non_stop, torch.empty_like(self._scratch))
 
     def apply_bitmask(
         self, logits: torch.Tensor, bitmask: torch.Tensor, indices: Sequence[int]
@@ -302,54 +203,48 @@ class XGrammarBackend(GrammarBackend):
             logits, bitmask, vocab_size=self.params.vocab_size, indices=list(indices)
         )
 
+    def warm_up(self) -> None:
+        """Import XGrammar and build the tokenizer info now: both hold the GIL for a while,
+        which the first structured request would otherwise take from the step loop."""
+        import xgrammar  # noqa: F401
+
+        with contextlib.suppress(ValueError):  # no tokenizer: compile() says so
+            self._pool.tokenizer()
+
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown()
 
-    def _compile(self, spec: StructuredOutput) -> Any:
-        compiler = self._get_compiler()
-        self.num_compiled += 1
-        try:
-            return self._compile_with(compiler, spec)
-        except ValueError:
-            raise
-        except Exception as exc:  # XGrammar raises RuntimeError and its own errors
-            message = _CPP_PREFIX.sub("", str(exc).strip())
-            raise ValueError(f"invalid {_describe(spec.kind)}: {message}") from None
+    # -- the cache ----------------------------------------------------------------------
 
-    def _compile_with(self, compiler: Any, spec: StructuredOutput) -> Any:
-        whitespace: dict[str, Any] = (
-            {"any_whitespace": True, "max_whitespace_cnt": self.max_whitespace}
-            if self.max_whitespace
-            else {"any_whitespace": False}
-        )
-        if spec.kind == "json":
-            return compiler.compile_json_schema(
-                '{"type": "object"}', strict_mode=False, **whitespace
-            )
-        if spec.kind == "json_schema":
-            schema = json.loads(spec.spec)
-            check_json_schema(schema)
-            return compiler.compile_json_schema(
-                json.dumps(_lengths_as_patterns(schema)), **whitespace
-            )
-        if spec.kind == "regex":
-            check_regex(spec.spec)
-            return compiler.compile_regex(spec.spec)
-        if spec.kind == "ebnf":
-            return compiler.compile_grammar(spec.spec)
-        if spec.kind == "structural_tag":
-            tag = json.loads(spec.spec)
-            _prepare_tag_schemas(tag, max(1, self.max_whitespace))
-            return compiler.compile_structural_tag(json.dumps(tag))
-        raise ValueError(f"unknown structured output kind {spec.kind!r}")
+    def _left(self, job: CompileJob, caller: concurrent.futures.Future[Any]) -> None:
+        """A caller's future is done: answered, or cancelled (its request left)."""
+        with self._lock:
+            job.waiters -= 1
+            if not caller.cancelled() or job.waiters > 0 or job.future.done():
+                return
+            if self._cache.get(job.spec) is job:
+                del self._cache[job.spec]
+        self._pool.cancel(job)  # killed if it runs
+        job.future.cancel()
 
-    def _get_compiler(self) -> Any:
-        with self._compiler_lock:
-            if self._compiler is None:
-                self._compiler = self._build_compiler()
-            return self._compiler
+    def _compiled(self, job: CompileJob, done: concurrent.futures.Future[Any]) -> None:
+        """A compile finished: count its memory, then evict down to the cache's bounds."""
+        if job.future.cancelled():
+            return
+        with self._lock:
+            if self._cache.get(job.spec) is not job:
+                return
+            self._cached_bytes += _size(job)
+            while len(self._cache) > self.cache_size or self._cached_bytes > self.cache_bytes:
+                oldest = next(
+                    (spec for spec, old in self._cache.items() if old.future.done()), None
+                )
+                if oldest is None:
+                    break  # only compiles in flight: never drop one
+                self._cached_bytes -= _size(self._cache.pop(oldest))
 
-    def _build_compiler(self) -> Any:
+    def _tokenizer_info(self) -> tuple[Any, str]:
+        """XGrammar's view of the model's vocabulary, and its serialized form for workers."""
         import xgrammar as xgr
 
         checkpoint = self.params.checkpoint
@@ -361,69 +256,27 @@ class XGrammarBackend(GrammarBackend):
             vocab_size=self.params.vocab_size,
             stop_token_ids=list(self.params.eos_token_ids) or None,
         )
-        return xgr.GrammarCompiler(info, max_threads=2)
+        return info, info.serialize_json()
 
 
-def _prepare_tag_schemas(tag: object, whitespace: int) -> None:
-    """Check and rewrite every JSON-schema region of a structural tag, in place, as a
-    ``json_schema`` request's schema is; bound its whitespace unless the tag did."""
-    if isinstance(tag, dict):
-        if tag.get("type") == "json_schema" and "json_schema" in tag:
-            check_json_schema(tag["json_schema"])
-            tag["json_schema"] = _lengths_as_patterns(tag["json_schema"])
-            tag.setdefault("max_whitespace_cnt", whitespace)
-            return
-        for value in tag.values():
-            _prepare_tag_schemas(value, whitespace)
-    elif isinstance(tag, list):
-        for value in tag:
-            _prepare_tag_schemas(value, whitespace)
+def _pass_on(done: concurrent.futures.Future[Any], caller: concurrent.futures.Future[Any]) -> None:
+    """The shared compile's outcome, into one caller's future (unless it gave up)."""
+    if caller.done():
+        return
+    try:
+        if done.cancelled():
+            caller.cancel()
+        elif done.exception() is not None:
+            caller.set_exception(done.exception())
+        else:
+            caller.set_result(done.result())
+    except concurrent.futures.InvalidStateError:  # cancelled meanwhile
+        pass
 
 
-_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
-"""Keywords whose values are JSON data, not subschemas."""
-
-
-_JSON_CHARACTER = r"(?:[ -~\u0080-\u07ff]|[\u0800-\u0fff]|[\u1000-\ud7ff]|[\ue000-\uffff])"
-"""One character of a string, as an XGrammar pattern that yields valid UTF-8 only.
-
-Written as alternatives because XGrammar 0.2 lets overlong (``E0 80``, ``F0 80``) and surrogate
-(``ED A0``) byte sequences through ``.``, negated classes and wide ranges; 4-byte characters
-are left out for the same reason."""
-
-
-def _lengths_as_patterns(schema: Any) -> Any:
-    """``schema`` with every string length bound (and no pattern or format) as a pattern.
-
-    XGrammar 0.2 compiles ``minLength``/``maxLength`` to a character class that admits raw
-    control characters, which JSON forbids in strings (mlc-ai/xgrammar#800), and surrogate
-    bytes: the answer would not parse, or not as the string the schema bounds. The same bounds
-    as a pattern of :data:`_JSON_CHARACTER` go through its JSON-string-aware regex instead.
-    """
-    if isinstance(schema, list):
-        return [_lengths_as_patterns(item) for item in schema]
-    if not isinstance(schema, dict):
-        return schema
-    result = {
-        key: value if key in _DATA_KEYWORDS else _lengths_as_patterns(value)
-        for key, value in schema.items()
-    }
-    low, high = result.get("minLength"), result.get("maxLength")
-    bounded = type(low) is int or type(high) is int  # not bool: a property may be named so
-    if bounded and "pattern" not in result and "format" not in result:
-        result.pop("minLength", None)
-        result.pop("maxLength", None)
-        low = low if type(low) is int else 0
-        high = high if type(high) is int else ""
-        result["pattern"] = f"^{_JSON_CHARACTER}{{{low},{high}}}$"
-    return result
-
-
-def _describe(kind: str) -> str:
-    return {
-        "json": "JSON grammar",
-        "json_schema": "JSON schema",
-        "regex": "regular expression",
-        "ebnf": "EBNF grammar",
-        "structural_tag": "structural tag",
-    }.get(kind, kind)
+def _size(job: CompileJob) -> int:
+    """Memory a finished compile holds (a failure: none)."""
+    future = job.future
+    if future.cancelled() or future.exception() is not None:
+        return 0
+    return int(future.result().memory_size_bytes)

@@ -761,14 +761,15 @@ def slow_compiles(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> Iterator[threadi
     backend = llm.engine.grammar.backend
     assert isinstance(backend, XGrammarBackend)
     release = threading.Event()
-    original = backend._compile
+    pool = backend._pool
+    original = pool._compile_here
 
-    def wait_then_compile(spec: StructuredOutput) -> Any:
+    def wait_then_compile(job: Any) -> None:
         if not release.wait(timeout=60):
             raise TimeoutError("the test never released the compile")
-        return original(spec)
+        original(job)
 
-    monkeypatch.setattr(backend, "_compile", wait_then_compile)
+    monkeypatch.setattr(pool, "_compile_here", wait_then_compile)
     yield release
     release.set()
 
@@ -969,7 +970,7 @@ def test_a_preempted_request_keeps_its_matcher(llm: LLM) -> None:
     request.status = RequestStatus.FINISHED_ABORTED
     processor.remove(3)
     processor.drop(request)  # what the engine does when a request ends
-    assert not processor._matchers, "a finished request's matcher is not kept"
+    assert not processor._lanes, "a finished request's matcher is not kept"
     backend.shutdown()
 
 
