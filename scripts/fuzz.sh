@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Fuzzes the HTTP API with schemathesis, from the OpenAPI document the server itself serves.
+# Fuzzes the HTTP API with schemathesis, from the OpenAPI document the server itself serves,
+# then sends it the attacks of scripts/fuzz_attacks.py (grammars that cost too much, settings
+# that would empty auth or exhaust the machine), each of which must fail alone.
 #
 # Builds a small random model, starts `brigade serve` on it on 127.0.0.1, runs schemathesis
 # against /schema/openapi.json with a fixed seed and a bounded number of examples, then checks
@@ -87,6 +89,12 @@ st_status=0
 st=$PWD/.venv/bin/st
 (cd "$work" && "$st" "${st_args[@]}" >schemathesis.log 2>&1) || st_status=$?
 
+# The attacks of the issue "One small request must never stop the server" (grammars that
+# cost too much, settings that would empty auth or exhaust the machine): each fails alone.
+attacks_status=0
+"$py" scripts/fuzz_attacks.py "$base" "$work" "$server" >"$work/attacks.log" 2>&1 \
+    || attacks_status=$?
+
 healthy=$("$py" -c "import httpx; print(httpx.get('$base/health').status_code)" 2>/dev/null \
     || echo "down")
 kill -TERM "$server"
@@ -94,13 +102,13 @@ server_status=0
 wait "$server" || server_status=$?
 server=""
 
-summary=$("$py" - "$work" "$st_status" "$healthy" "$server_status" <<'EOF'
+summary=$("$py" - "$work" "$st_status" "$healthy" "$server_status" "$attacks_status" <<'EOF'
 import re
 import sys
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
-work, st_status, healthy, server_status = Path(sys.argv[1]), *sys.argv[2:]
+work, st_status, healthy, server_status, attacks_status = Path(sys.argv[1]), *sys.argv[2:]
 log = (work / "schemathesis.log").read_text(errors="replace")
 cases = re.search(r"(\d+) generated", log)
 operations = failures = "?"
@@ -110,12 +118,14 @@ if (work / "junit.xml").is_file():
     failures = int(suite.get("failures", 0)) + int(suite.get("errors", 0))
 server_log = (work / "server.log").read_text(errors="replace")
 server_errors = len(re.findall(r"unhandled error|stream_failed|Traceback", server_log))
+attacks = (work / "attacks.log").read_text(errors="replace").splitlines()
+attacks_ok = sum(line.endswith(": ok") for line in attacks)
 print(
     f"{cases[1] if cases else '?'} cases over {operations} operations, {failures} failures, "
-    f"{server_errors} server errors logged, /health {healthy} after, server exit "
-    f"{server_status}"
+    f"{attacks_ok} of {len(attacks)} attacks held, {server_errors} server errors logged, "
+    f"/health {healthy} after, server exit {server_status}"
 )
-ok = st_status == "0" and failures == 0 and server_errors == 0
+ok = st_status == "0" and failures == 0 and server_errors == 0 and attacks_status == "0"
 ok = ok and healthy == "200" and server_status == "0"
 sys.exit(0 if ok else 1)
 EOF
@@ -124,6 +134,7 @@ elapsed=$(($(date +%s) - started))
 echo "fuzz: $verdict: $summary, ${elapsed} s (seed $seed, $phases, $examples examples)"
 if [ "$verdict" != ok ]; then
     FUZZ_KEEP=1
-    echo "fuzz: schemathesis's report: $work/schemathesis.log; the server's: $work/server.log" >&2
+    echo "fuzz: schemathesis's report: $work/schemathesis.log; the attacks': $work/attacks.log;" \
+        "the server's: $work/server.log" >&2
     exit 1
 fi
