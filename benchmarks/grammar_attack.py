@@ -20,67 +20,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import itertools
 import json
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+from serve_process import launched
 
-STARTUP_S = 300.0
 ATTACK_REGEX = "(.{0,100}){0,100}zz"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@contextlib.contextmanager
-def server(model: str, workdir: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    port = free_port()
-    config = workdir / "serve.toml"
-    config.write_text(
-        f'[model]\npath = "{model}"\nmax_model_len = 2048\n'
-        "[kv]\nnum_pages = 2048\n"
-        "[grammar]\nmax_grammar_bytes = 4194304\n"
-        f'[server]\nhost = "127.0.0.1"\nport = {port}\nserved_model_name = "bench"\n'
-    )
-    log = (workdir / "serve.log").open("wb")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "brigade", "serve", "--config", str(config)],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + STARTUP_S
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise RuntimeError(f"the server exited: see {log.name}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            time.sleep(0.5)
-        else:
-            raise RuntimeError("the server did not start")
-        yield base, process
-    finally:
-        process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-        log.close()
 
 
 async def stream(client: httpx.AsyncClient, base: str, index: int, tokens: int) -> list[float]:
@@ -201,12 +153,13 @@ def main() -> int:
     args = parser.parse_args()
     all_base: list[float] = []
     all_attack: list[float] = []
+    tables = (
+        f'[model]\npath = "{args.model}"\nmax_model_len = 2048\n[kv]\nnum_pages = 2048\n'
+        "[grammar]\nmax_grammar_bytes = 4194304\n"
+    )
     with (
         tempfile.TemporaryDirectory() as workdir,
-        server(args.model, Path(workdir)) as (
-            base,
-            process,
-        ),
+        launched(Path(workdir), tables) as (base, process),
     ):
         asyncio.run(phase(base, args.streams, 8, False, 0))  # warm-up
         for round_ in range(1, args.rounds + 1):

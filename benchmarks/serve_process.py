@@ -51,16 +51,33 @@ def server(
     api_server_count: int,
     threads: int,
 ) -> Iterator[str]:
-    port = free_port()
-    config = workdir / f"serve-{port}.toml"
-    config.write_text(
+    tables = (
         f'[model]\npath = "{model_dir}"\nmax_model_len = 512\n'
         "[kv]\npage_size = 16\nnum_pages = 4096\nenable_prefix_caching = false\n"
         "[scheduler]\nmax_num_seqs = 256\n"
         f"[executor]\nnum_threads = {threads}\n"
-        f'[server]\nhost = "127.0.0.1"\nport = {port}\nserved_model_name = "bench"\n'
+    )
+    server_keys = (
         f"engine_process = {'true' if engine_process else 'false'}\n"
         f"api_server_count = {api_server_count}\nmax_waiting_requests = 4096\n"
+    )
+    with launched(workdir, tables, server_keys) as (base, _):
+        yield base
+
+
+@contextlib.contextmanager
+def launched(
+    workdir: Path, tables: str, server_keys: str = ""
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """``brigade serve`` on a free loopback port with the config ``tables`` (every table but
+    ``[server]``) and ``server_keys`` in ``[server]``, serving the model as ``bench``: its
+    base URL and process once ``/health`` says 200; SIGTERM on leaving (the log's last lines
+    printed if it failed)."""
+    port = free_port()
+    config = workdir / f"serve-{port}.toml"
+    config.write_text(
+        f'{tables}[server]\nhost = "127.0.0.1"\nport = {port}\nserved_model_name = "bench"\n'
+        f"{server_keys}"
     )
     log = (workdir / f"serve-{port}.log").open("wb")
     process = subprocess.Popen(
@@ -80,7 +97,7 @@ def server(
             time.sleep(0.5)
         else:
             raise RuntimeError("the server did not start in time")
-        yield base
+        yield base, process
     except BaseException:
         log.flush()
         print(f"--- the server's log ({log.name}), last lines:", file=sys.stderr)

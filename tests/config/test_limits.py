@@ -4,12 +4,10 @@ line, one ``brigade: error:`` line and exit status 2, never a traceback."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_helpers import assert_refused, run_brigade
 
 from brigade import limits
 from brigade.config import check_config, load_config
@@ -39,28 +37,6 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return create_model(
         tmp_path_factory.mktemp("limits") / "tiny", "llama", overrides={"num_hidden_layers": 2}
     )
-
-
-def run_brigade(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """``brigade ARGV`` as a user runs it (``env`` adds to the environment)."""
-    return subprocess.run(
-        [sys.executable, "-m", "brigade", *argv],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, **(env or {})},
-    )
-
-
-def assert_refused(result: subprocess.CompletedProcess[str], *fragments: str) -> None:
-    """Exit status 2 and one error line (every process that reports it says the same) holding
-    every fragment; no traceback."""
-    assert result.returncode == 2, result.stdout + result.stderr
-    assert "Traceback" not in result.stderr, result.stderr
-    errors = {line for line in result.stderr.splitlines() if line.startswith("brigade: error: ")}
-    assert len(errors) == 1, result.stderr
-    for fragment in fragments:
-        assert fragment in next(iter(errors)), result.stderr
 
 
 @pytest.mark.parametrize(("key", "problem"), BAD_KEYS)

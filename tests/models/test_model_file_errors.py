@@ -5,15 +5,13 @@ every broken file is one ``brigade: error:`` line and exit status 2, never a tra
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from cli_helpers import assert_refused, run_brigade
 
 from brigade.config import check_config, load_config
 from brigade.errors import ConfigError, ModelLoadError
@@ -55,24 +53,6 @@ def altered(model_dir: Path, tmp_path: Path) -> Callable[..., Path]:
 
 def check(registry: Registry, path: Path | str) -> list[str]:
     return check_config(load_config(None, registry, overrides=[f"model.path={path}"]), registry)
-
-
-def run_brigade(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "brigade", *argv],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=dict(os.environ),
-    )
-
-
-def assert_refused(result: subprocess.CompletedProcess[str], fragment: str) -> None:
-    assert result.returncode == 2, result.stdout + result.stderr
-    assert "Traceback" not in result.stderr, result.stderr
-    errors = {line for line in result.stderr.splitlines() if line.startswith("brigade: error: ")}
-    assert len(errors) == 1, result.stderr
-    assert fragment in next(iter(errors)), result.stderr
 
 
 @pytest.mark.parametrize(
