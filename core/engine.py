@@ -21,7 +21,13 @@ from brigade.admission import Admission, check_request
 from brigade.assemble import ModelPath, build_executor, load_draft_model, open_model
 from brigade.config import EngineConfig, check_config
 from brigade.engine_stations import build_stations
-from brigade.errors import ConfigError, EngineDeadError, RequestError, RequestFailedError
+from brigade.errors import (
+    ConfigError,
+    EngineDeadError,
+    RequestError,
+    RequestFailedError,
+    describe,
+)
 from brigade.grammar import SAMPLING_PATIENCE_S
 from brigade.hooks import notify_request_finished
 from brigade.interfaces import (
@@ -38,7 +44,7 @@ from brigade.interfaces import (
 from brigade.persistent_batch import StepPlan
 from brigade.pooling import Pooler
 from brigade.registry import Registry
-from brigade.sampling_stage import DraftRows, SampledTokens, TokenLogprob, describe
+from brigade.sampling_stage import DraftRows, SampledTokens, TokenLogprob
 from brigade.speculative import SpeculativeStats, Verified
 from brigade.step_tokens import (
     accepted_plan,

@@ -18,7 +18,19 @@ __all__ = [
     "RequestError",
     "RequestFailedError",
     "UnknownComponentError",
+    "describe",
 ]
+
+_MAX_MESSAGE = 300
+"""Characters of a plugin's exception message kept in a request's error."""
+
+
+def describe(exc: BaseException) -> str:
+    """``ExceptionType: message`` on one line, shortened: what a request's error names."""
+    message = " ".join(str(exc).split())
+    if len(message) > _MAX_MESSAGE:
+        message = message[: _MAX_MESSAGE - 3] + "..."
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
 
 
 class DuplicateComponentError(BrigadeError):

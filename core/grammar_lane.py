@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
+from brigade.errors import describe
 from brigade.interfaces import GrammarMatcher, Request
 
 __all__ = ["GrammarLane", "LanePool", "over_budget"]
@@ -164,10 +165,7 @@ class GrammarLane:
         try:
             work()
         except Exception as exc:  # reported as the request's failure, read by the step
-            message = " ".join(str(exc).split())[:300]
-            self.fail(
-                f"the grammar backend failed for this request: {type(exc).__name__}: {message}"
-            )
+            self.fail(f"the grammar backend failed for this request: {describe(exc)}")
 
 
 class LanePool:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from brigade.errors import describe
 from brigade.interfaces import Request
-from brigade.sampling_stage import describe
 
 __all__ = ["notify_request_finished"]
 

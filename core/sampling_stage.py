@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+from brigade.errors import describe
 from brigade.grammar import GrammarManager
 from brigade.interfaces import LogitsProcessor, Request, Sampler
 
@@ -34,7 +35,6 @@ __all__ = [
     "SampledTokens",
     "SamplingStage",
     "TokenLogprob",
-    "describe",
     "supports_rollback",
 ]
 
@@ -46,16 +46,6 @@ UNDEFINED_DISTRIBUTION = (
     "its sampling distribution is undefined (the logits are NaN, or its sampling parameters "
     "mask every token)"
 )
-_MAX_MESSAGE = 300
-"""Characters of a plugin's exception message kept in a request's error."""
-
-
-def describe(exc: BaseException) -> str:
-    """``ExceptionType: message`` on one line, shortened: what a request's error names."""
-    message = " ".join(str(exc).split())
-    if len(message) > _MAX_MESSAGE:
-        message = message[: _MAX_MESSAGE - 3] + "..."
-    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

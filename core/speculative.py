@@ -30,8 +30,9 @@ import itertools
 import logging
 from collections.abc import Sequence
 
+from brigade.errors import describe
 from brigade.interfaces import DraftSlot, LogitsProcessor, Proposer, Request, RequestStatus
-from brigade.sampling_stage import describe, supports_rollback
+from brigade.sampling_stage import supports_rollback
 from brigade.stations import SpeculativeSettings
 
 __all__ = ["Speculation", "SpeculativeStats", "Verified", "verify"]

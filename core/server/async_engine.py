@@ -31,9 +31,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 from brigade.admission import Admission
 from brigade.engine import EngineCore, EngineStats, StepUpdate
-from brigade.errors import EngineDeadError, RequestError, RequestFailedError
+from brigade.errors import EngineDeadError, RequestError, RequestFailedError, describe
 from brigade.interfaces import ExtraValue, PoolingParams, SamplingParams
-from brigade.sampling_stage import describe
 from brigade.server.engine_protocol import engine_info
 from brigade.server.errors import EngineOverloadedError, EngineUnavailableError
 from brigade.server.liveness import Watchdog, no_progress, report_hang

@@ -27,9 +27,8 @@ import structlog
 import zmq
 
 from brigade.engine import EngineCore, StepUpdate
-from brigade.errors import EngineDeadError, RequestError, RequestFailedError
+from brigade.errors import EngineDeadError, RequestError, RequestFailedError, describe
 from brigade.interfaces import RequestStatus
-from brigade.sampling_stage import describe
 from brigade.server import engine_protocol as wire
 
 __all__ = ["IDLE_POLL_MS", "STATS_INTERVAL_S", "EngineLoop"]
