@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from brigade.plugins.attention.cpu_kernels import cpu_ops
+from brigade.plugins.cpu.build import cpu_ops
 
 
 def main() -> None:

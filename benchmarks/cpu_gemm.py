@@ -35,10 +35,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from brigade.plugins.attention.cpu_kernels import cpu_ops
-from brigade.plugins.executors import cpu_gemm
-from brigade.plugins.executors.cpu_gemm import pack_weight
-from brigade.plugins.executors.cpu_memory import keep_freed_memory
+from brigade.plugins.cpu.build import cpu_ops
+from brigade.plugins.cpu import gemm as cpu_gemm
+from brigade.plugins.cpu.gemm import pack_weight
+from brigade.plugins.cpu.memory import keep_freed_memory
 
 SMOLLM2 = ("960x576", "576x576", "3072x576", "576x1536")
 """out x in of SmolLM2-135M's qkv, o, gate_up and down projections."""

@@ -23,8 +23,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from brigade.plugins.attention.cpu_kernels import cpu_ops
-from brigade.plugins.executors.cpu_gemm import tiles_usable
+from brigade.plugins.cpu.build import cpu_ops
+from brigade.plugins.cpu.gemm import tiles_usable
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 9, 3, 64, 16
 """SmolLM2-135M's attention heads and the engine's default page size."""

@@ -106,11 +106,11 @@ pytest=("$python" -m pytest -q -p no:cacheprovider -rfE)
 # (2026-12-04); with pytest-xdist's 8 workers the file ran in 21 s.
 parallel=()
 if "$python" -c "import xdist" 2>/dev/null; then parallel=(-n 8 -p no:benchmark); fi
-triton_files=(tests/plugins/attention/test_triton_backend.py tests/plugins/models/test_triton_fused.py)
+triton_files=(tests/plugins/attention/test_triton_backend.py tests/plugins/gpu/test_fused_ops.py)
 step "${triton_files[*]}, compiled on the GPU" "$triton_tests_s" \
     "${pytest[@]}" "${parallel[@]}" "${triton_files[@]}"
 mapfile -t others < <(grep -rl --include="test_*.py" "mark.gpu" tests | sort \
-    | grep -v -e test_triton_backend.py -e test_triton_fused.py)
+    | grep -v -e test_triton_backend.py -e test_fused_ops.py)
 if [ "${#others[@]}" -gt 0 ]; then
     echo "gpu_check: tests marked gpu in ${others[*]}"
     step "other tests marked gpu" "$gpu_tests_s" "${pytest[@]}" -m gpu "${others[@]}"

@@ -196,7 +196,7 @@ class SdpaBackend(AttentionBackend):
         if device.type != "cpu" or not self._native:
             return None
         if self._kernel is None:
-            from brigade.plugins.attention.cpu_kernels import paged_decode_kernel
+            from brigade.plugins.cpu.build import paged_decode_kernel
 
             self._kernel = paged_decode_kernel() or False
         return self._kernel or None
@@ -209,7 +209,7 @@ class SdpaBackend(AttentionBackend):
             return None
         if {query.dtype, key_cache.dtype} - {torch.float32, torch.bfloat16}:
             return None
-        from brigade.plugins.attention.cpu_kernels import (
+        from brigade.plugins.cpu.build import (
             amx_tiles_usable,
             cpu_ops,
             kernels_take_head_dim,

@@ -28,8 +28,8 @@ from brigade.interfaces import (
 )
 from brigade.interfaces.executor import DTYPE_NAMES
 from brigade.model_input import SeqChunk, build_model_input
-from brigade.plugins.executors.cpu_gemm import CPU_LINEAR_MODES, use_cpu_linears
-from brigade.plugins.executors.cpu_memory import advise_huge_pages, keep_freed_memory
+from brigade.plugins.cpu.gemm import CPU_LINEAR_MODES, use_cpu_linears
+from brigade.plugins.cpu.memory import advise_huge_pages, keep_freed_memory
 from brigade.plugins.models.decoder import Fusion
 from brigade.plugins.models.parallel import TensorParallel
 

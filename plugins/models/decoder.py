@@ -13,8 +13,8 @@ both paths run one implementation.
 
 The small operations between the GEMMs (RMSNorm, the residual add before the post-attention
 norm, SiLU-mul, RoPE) run fused: on a CPU in float32 or bfloat16 as Brigade's C++ kernels
-(``brigade.plugins.attention.cpu_kernels``) when they can be built, on a CUDA GPU of Ampere or
-later as Triton kernels (``brigade.plugins.models.triton_fused``) when Triton imports, and as the
+(``brigade.plugins.cpu.build``) when they can be built, on a CUDA GPU of Ampere or
+later as Triton kernels (``brigade.plugins.gpu.fused_ops``) when Triton imports, and as the
 torch operations transformers uses otherwise; :class:`Fusion` decides.
 """
 
@@ -30,9 +30,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from brigade.interfaces import AttentionBackend, AttentionLayer
-from brigade.plugins.attention.cpu_kernels import cpu_ops
+from brigade.plugins.cpu.build import cpu_ops
 from brigade.plugins.attention.triton_backend import triton_runs_on
-from brigade.plugins.executors.cpu_gemm import CpuLinear, mark_gate_up
+from brigade.plugins.cpu.gemm import CpuLinear, mark_gate_up
 from brigade.plugins.models.config import DecoderConfig
 from brigade.plugins.models.parallel import TensorParallel, all_reduce, gather_vocab
 from brigade.plugins.models.rope import apply_rope, rope_cos_sin
@@ -67,7 +67,7 @@ def _triton_fused(index: int) -> Any:
     (Triton missing, a GPU older than Ampere: ``triton_runs_on``)."""
     if not triton_runs_on(index):
         return None
-    from brigade.plugins.models import triton_fused
+    from brigade.plugins.gpu import fused_ops as triton_fused
 
     return triton_fused
 
@@ -292,7 +292,7 @@ class DecoderForCausalLM(nn.Module):
         self.decoder_layers = cast("tuple[DecoderLayer, ...]", tuple(self.layers))
         """The modules of ``layers``, typed (the ModuleList is what registers them)."""
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, self.fusion)
-        from brigade.plugins.models.cpu_decode import CpuDecodeLayers  # it reads this class
+        from brigade.plugins.cpu.fused_step import CpuDecodeLayers  # it reads this class
 
         self.fused_decode = CpuDecodeLayers(self)
         """A pure decode step's layers as one C++ call on a CPU (identical results)."""

@@ -3,7 +3,7 @@ collectives that put the partial results together.
 
 The decoder keeps plain ``nn.Linear`` modules, built at their shard's shape, rather than
 parallel layer classes (nano-vllm's ``ColumnParallelLinear`` and kin): the CPU GEMM packing
-(``brigade.plugins.executors.cpu_gemm``) swaps ``nn.Linear`` modules, and a sharded linear is
+(``brigade.plugins.cpu.gemm``) swaps ``nn.Linear`` modules, and a sharded linear is
 an ordinary one over fewer rows or columns. What a parallel layer class would own lives here
 instead, as data and two functions:
 

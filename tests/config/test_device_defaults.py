@@ -14,7 +14,8 @@ import torch
 from brigade.config import load_config
 from brigade.errors import ConfigError
 from brigade.plugins.attention.triton_backend import triton_runs_on
-from brigade.plugins.models import decoder, triton_fused
+from brigade.plugins.gpu import fused_ops as triton_fused
+from brigade.plugins.models import decoder
 from brigade.registry import Registry, load_registry
 from brigade.startup import changed_settings
 

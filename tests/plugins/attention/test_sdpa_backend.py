@@ -136,7 +136,7 @@ def test_bfloat16_prefill_takes_the_amx_kernel_where_the_cpu_has_amx(
     # On an AMX Xeon the tile kernel took a 512-token bf16 prompt's attention in less time than
     # torch's flash attention and the vector kernel (docs/benchmarks.md); float32 has no AMX
     # kernels and stays on the vector kernel, as do CPUs without AMX.
-    from brigade.plugins.attention import cpu_kernels
+    from brigade.plugins.cpu import build as cpu_kernels
 
     built = cpu_kernels.cpu_ops()
     assert built is not None

@@ -3,10 +3,10 @@ paged KV cache (``cpu_paged.cpp``, its per-row kernels in ``cpu_rows.h``; rows s
 read it once, ``cpu_cascade.cpp``), prefill attention (``cpu_prefill.cpp``; in bfloat16 on AMX
 tiles ``cpu_prefill_tiles.cpp``), a decoder layer's small fused operations
 (``cpu_layer_ops.cpp``: RMSNorm with and without the residual add, SiLU-mul, RoPE) and every
-layer of a step in one call (``cpu_fused.cpp``), the executor's panel GEMM
-(``executors/cpu_gemm.cpp``), its bfloat16 GEMM on AMX tiles
-(``executors/cpu_tiles.cpp``) and the standard sampler's draw (``samplers/cpu_sample.cpp``),
-all in ``torch.ops.brigade_cpu``.
+layer of a step in one call (``cpu_fused.cpp``), the panel GEMM
+(``cpu_gemm.cpp``), the bfloat16 GEMM on AMX tiles (``cpu_tiles.cpp``) and the standard
+sampler's draw (``cpu_sample.cpp``), all in ``kernels/`` and all registered in
+``torch.ops.brigade_cpu``.
 
 The build (a few seconds to a minute, once per machine and torch version) goes to
 ``$BRIGADE_CACHE_DIR/extensions/<key>``, where the key covers the source, torch's version and
@@ -45,38 +45,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = (
-    *(
-        Path(__file__).with_name(name)
-        for name in (
-            "cpu_paged.cpp",
-            "cpu_cascade.cpp",
-            "cpu_prefill.cpp",
-            "cpu_prefill_tiles.cpp",
-            "cpu_layer_ops.cpp",
-            "cpu_fused.cpp",
-        )
-    ),
-    Path(__file__).parent.parent / "executors" / "cpu_gemm.cpp",  # the panel GEMM
-    Path(__file__).parent.parent / "executors" / "cpu_tiles.cpp",  # the AMX tile GEMM
-    Path(__file__).parent.parent / "executors" / "cpu_tile_loop.cpp",  # its loop over the tiles
-    Path(__file__).parent.parent / "samplers" / "cpu_sample.cpp",  # the sampler's draw
-)
-_HEADERS = (
-    *(
-        Path(__file__).with_name(name)
-        for name in (
-            "cpu_cascade.h",
-            "cpu_exp.h",
-            "cpu_layer_ops.h",
-            "cpu_rows.h",
-            "cpu_scalar.h",
-            "cpu_tasks.h",
-            "cpu_vec.h",
-        )
-    ),
-    Path(__file__).parent.parent / "executors" / "cpu_tiles.h",  # the tile GEMM's two sources
-)
+_KERNELS = Path(__file__).with_name("kernels")
+_SOURCES = tuple(sorted(_KERNELS.glob("*.cpp")))
+_HEADERS = tuple(sorted(_KERNELS.glob("*.h")))
 _CFLAGS = [
     "-O3",
     f"-march={os.environ.get('BRIGADE_CPU_MARCH') or 'native'}",

@@ -21,8 +21,8 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
-#include "../attention/cpu_exp.h"
-#include "../attention/cpu_vec.h"
+#include "cpu_exp.h"
+#include "cpu_vec.h"
 
 #include <algorithm>
 #include <cmath>

@@ -13,7 +13,7 @@ from executor_helpers import CountingOps, make_executor, strided_rows
 
 from brigade.model_input import SeqChunk, build_model_input
 from brigade.models.create import create_model
-from brigade.plugins.attention.cpu_kernels import cpu_ops
+from brigade.plugins.cpu.build import cpu_ops
 from brigade.plugins.models.decoder import RMSNorm
 from brigade.plugins.models.rope import apply_rope
 

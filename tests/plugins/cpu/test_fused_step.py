@@ -17,7 +17,7 @@ from executor_helpers import PAGE_SIZE, ShuffledPages, make_executor, token_sequ
 
 from brigade.model_input import SeqChunk, build_model_input
 from brigade.models.create import create_model
-from brigade.plugins.attention.cpu_kernels import cpu_ops
+from brigade.plugins.cpu.build import cpu_ops
 
 MODELS = {
     "llama": {},

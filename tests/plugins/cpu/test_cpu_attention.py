@@ -12,13 +12,13 @@ from typing import Any
 import pytest
 import torch
 
-from brigade.plugins.attention import cpu_kernels
-from brigade.plugins.attention.cpu_kernels import (
+from brigade.plugins.cpu import build as cpu_kernels
+from brigade.plugins.cpu.build import (
     exclusive_build,
     kernels_take_head_dim,
     paged_decode_kernel,
 )
-from brigade.plugins.executors.cpu_gemm import tiles_usable
+from brigade.plugins.cpu.gemm import tiles_usable
 
 
 def _paged_case(

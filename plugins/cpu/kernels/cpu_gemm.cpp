@@ -40,7 +40,7 @@
 #include <ATen/record_function.h>
 #include <torch/library.h>
 
-#include "../attention/cpu_vec.h"
+#include "cpu_vec.h"
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>

@@ -29,8 +29,8 @@
 #include <ATen/record_function.h>
 #include <torch/library.h>
 
-#include "../attention/cpu_tasks.h"
-#include "../attention/cpu_vec.h"
+#include "cpu_tasks.h"
+#include "cpu_vec.h"
 #include "cpu_tiles.h"
 
 #include <algorithm>

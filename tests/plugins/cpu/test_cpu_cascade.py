@@ -11,7 +11,7 @@ import torch
 from engine_helpers import assert_same_greedy, make_llm, prompts, run
 
 from brigade.models.create import create_model
-from brigade.plugins.attention.cpu_kernels import cpu_ops, kernels_take_head_dim
+from brigade.plugins.cpu.build import cpu_ops, kernels_take_head_dim
 
 PAGE = 16
 

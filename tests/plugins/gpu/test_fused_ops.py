@@ -18,7 +18,7 @@ from triton_helpers import DEVICE, INTERPRETED, gpu_only, needs_kernels
 
 from brigade.model_input import SeqChunk, build_model_input
 from brigade.models.create import create_model
-from brigade.plugins.models import triton_fused
+from brigade.plugins.gpu import fused_ops as triton_fused
 from brigade.plugins.models.decoder import RMSNorm
 from brigade.plugins.models.rope import apply_rope
 

@@ -19,8 +19,8 @@ from torch import nn
 
 from brigade.model_input import SeqChunk, build_model_input
 from brigade.models.create import create_model
-from brigade.plugins.executors import cpu_gemm
-from brigade.plugins.executors.cpu_gemm import CpuLinear, mark_gate_up, use_cpu_linears
+from brigade.plugins.cpu import gemm as cpu_gemm
+from brigade.plugins.cpu.gemm import CpuLinear, mark_gate_up, use_cpu_linears
 
 pytestmark = pytest.mark.skipif(
     not cpu_gemm.onednn_usable(), reason="this torch build has no oneDNN linear op"

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from brigade.plugins.attention.sdpa import SdpaBackend, SdpaMetadata
-from brigade.plugins.executors.cpu_gemm import CpuLinear
+from brigade.plugins.cpu.gemm import CpuLinear
 
 __all__ = ["CpuDecodeLayers"]
 

@@ -127,14 +127,14 @@ def panels_chosen(dtype: torch.dtype = torch.float32) -> bool:
 
 def tiles_usable(dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether Brigade's AMX tile GEMM runs ``dtype`` here: bfloat16 where the AMX tile kernels
-    run (:func:`~brigade.plugins.attention.cpu_kernels.amx_tiles_usable`)."""
-    from brigade.plugins.attention.cpu_kernels import amx_tiles_usable
+    run (:func:`~brigade.plugins.cpu.build.amx_tiles_usable`)."""
+    from brigade.plugins.cpu.build import amx_tiles_usable
 
     return dtype == torch.bfloat16 and amx_tiles_usable()
 
 
 def _panel_ops() -> Any:
-    from brigade.plugins.attention.cpu_kernels import cpu_ops
+    from brigade.plugins.cpu.build import cpu_ops
 
     return cpu_ops()
 

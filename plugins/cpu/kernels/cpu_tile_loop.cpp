@@ -14,8 +14,8 @@
 
 #include "cpu_tiles.h"
 
-#include "../attention/cpu_tasks.h"
-#include "../attention/cpu_vec.h"
+#include "cpu_tasks.h"
+#include "cpu_vec.h"
 
 #include <ATen/native/CPUBlas.h>
 

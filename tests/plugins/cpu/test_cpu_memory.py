@@ -16,7 +16,7 @@ from executor_helpers import PAGE_SIZE, make_executor
 
 from brigade.model_input import SeqChunk, build_model_input
 from brigade.models.create import create_model
-from brigade.plugins.executors.cpu_memory import advise_huge_pages, keep_freed_memory
+from brigade.plugins.cpu.memory import advise_huge_pages, keep_freed_memory
 
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
