@@ -59,6 +59,12 @@ stop the run.
     .venv/bin/python benchmarks/peers.py
     .venv/bin/python benchmarks/peers.py --model small --engines brigade,vllm --json /tmp/peers.json
     .venv/bin/python benchmarks/peers.py --model tiny --scale 0.1 --set kv.page_size=32
+
+A refactor is measured against the build before it with ``--baseline DIR``: DIR holds another
+build's ``brigade`` package (e.g. ``git archive`` of an older commit, its ``core/`` copied to
+``DIR/brigade`` with ``interfaces/`` and ``plugins/`` inside), run as engine ``baseline`` with
+the same ``--set`` overrides, in this .venv, with its own kernel cache under DIR; add it to
+``--engines`` (``--engines brigade,baseline``).
 """
 
 from __future__ import annotations
@@ -135,6 +141,14 @@ def find_engines(args: argparse.Namespace) -> dict[str, Engine]:
         llama_missing = f"{peers / 'llamacpp-venv'} has no .done yet (still being built?)"
     return {
         "brigade": Engine("brigade", "Brigade", own, "brigade_driver.py", {}),
+        "baseline": Engine(
+            "baseline",
+            f"Brigade at {args.baseline}",
+            own,
+            "brigade_driver.py",
+            {"PYTHONPATH": str(args.baseline), "BRIGADE_CACHE_DIR": f"{args.baseline}/cache"},
+            "" if args.baseline else "no --baseline given",
+        ),
         "transformers": Engine(
             "transformers",
             f"transformers, static batches of {args.hf_batch_size}",
@@ -177,7 +191,7 @@ def peer_version(engine: Engine) -> str:
 
 
 def engine_options(engine: str, args: argparse.Namespace) -> dict[str, Any]:
-    if engine == "brigade":
+    if engine in ("brigade", "baseline"):
         return {"settings": args.set}
     if engine == "transformers":
         return {"batch_size": args.hf_batch_size}
@@ -332,12 +346,18 @@ def parse_args() -> argparse.Namespace:
         help="run the engines one after the other instead of side by side taking turns",
     )
     parser.add_argument("--json", type=Path, default=None, help="write all figures here")
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        help="a directory holding another build's brigade package, run as engine 'baseline'",
+    )
     args = parser.parse_args()
     args.engine_list = [e.strip() for e in args.engines.split(",") if e.strip()]
     args.workload_list = [w.strip() for w in args.workloads.split(",") if w.strip()]
     for name in args.engine_list:
-        if name not in ENGINES:
-            parser.error(f"unknown engine {name!r}; choose from {', '.join(ENGINES)}")
+        if name not in (*ENGINES, "baseline"):
+            parser.error(f"unknown engine {name!r}; choose from {', '.join(ENGINES)}, baseline")
     for name in args.workload_list:
         if name not in WORKLOADS + EXTRA_WORKLOADS:
             choices = ", ".join(WORKLOADS + EXTRA_WORKLOADS)
