@@ -14,7 +14,7 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from brigade.bench.compare import (
     Difference,
@@ -44,6 +44,9 @@ from brigade.bench.spec import (
     parse_workload,
 )
 from brigade.errors import BrigadeError
+
+if TYPE_CHECKING:
+    from brigade.config import EngineConfig
 
 __all__ = ["SYNTHETIC_GRAMMAR", "WorkloadSpec", "parse_workload", "run_bench"]
 
@@ -118,40 +121,13 @@ def run_bench(
     goodput and deadline misses down by its values. With two or more targets and seeds, a
     second table gives each target's difference from the first, paired by seed, and the seeds
     such a difference needs (:mod:`brigade.bench.compare`)."""
-    from tqdm import tqdm
-
-    from brigade.config import load_config
-    from brigade.registry import default_registry
-
-    if not config_paths and not endpoints:
-        raise BenchError("give at least one --config or --endpoint")
-    if seeds < 1:
-        raise BenchError(f"--seeds {seeds} is not allowed; need >= 1")
-    if endpoints and not model:
-        raise BenchError("--endpoint needs --model, the model name the server serves")
+    _check_targets(config_paths, endpoints, seeds, model)
     limits = parse_slo(slo) if slo else None
     spec = parse_workload(workload_spec)
-    sweep_spec = parse_sweep(sweep) if sweep else None
-    if sweep_spec is not None and not sweep_spec.is_rate and endpoints:
-        raise BenchError(
-            f"--sweep {sweep_spec.key} changes brigade configs and cannot apply to --endpoint; "
-            "sweep rate=... instead"
-        )
-    if sweep_spec is not None and sweep_spec.is_rate:
-        spec.with_rate(1.0)  # a trace cannot be re-rated: fail before running anything
-    plots = Path(plot_dir) if plot_dir else None
-    if plots is not None:
-        from brigade.bench.plots import require_matplotlib
-
-        require_matplotlib()
-        plots.mkdir(parents=True, exist_ok=True)
-    registry = default_registry()
-    configs = [load_config(path, registry, overrides=overrides) for path in config_paths]
-    # One vocabulary for every target so each seed's workload is identical across them.
-    vocabs = [_vocab_size(config) for config in configs]
-    if endpoints:
-        vocabs.append(vocab_size or 32000)
-    vocab = min(vocabs)
+    sweep_spec = _parse_sweep(sweep, spec, endpoints)
+    plots = _plot_directory(plot_dir)
+    configs = _load_configs(config_paths, overrides)
+    vocab = _shared_vocab_size(configs, (vocab_size or 32000) if endpoints else None)
     targets = [
         _Target(name, config_path=path)
         for name, path in zip(_column_names(config_paths), config_paths, strict=True)
@@ -165,27 +141,99 @@ def run_bench(
     num_requests = spec.num_requests or len(spec.build(0, vocab))  # a trace: count its lines
     if by is not None:
         _check_by(by, spec.build(0, vocab))
+    plan = _Plan(spec, vocab, seeds, tuple(overrides), limits, sweep_spec, plots is not None, by)
     total = num_requests * len(targets) * len(values) * seeds
-    collected: dict[str, list[_Collected]] = {}
-    show = not quiet and sys.stderr.isatty()
-    with tqdm(total=total, desc="bench", unit="req", disable=not show) as bar:
-        plan = _Plan(
-            spec, vocab, seeds, tuple(overrides), limits, sweep_spec, plots is not None, by
-        )
-        for target in targets:
-            collected[target.name] = [_run_point(plan, target, value, bar) for value in values]
+    collected = _run_all(plan, targets, values, total, show=not quiet and sys.stderr.isatty())
     summaries = {name: [summarize(p.runs) for p in points] for name, points in collected.items()}
     differences = None
     if sweep_spec is None and len(targets) > 1:
-        baseline, *others = collected
-        differences = {
-            name: compare_runs(collected[baseline][0].runs, collected[name][0].runs)
-            for name in others
-        }
+        differences = _differences_from_first(collected)
     _report(workload_spec, seeds, limits, sweep_spec, targets, summaries, json_path, differences)
     if plots is not None:
         _plot(plots, sweep_spec, collected, summaries)
     return 0
+
+
+def _check_targets(
+    config_paths: Sequence[str], endpoints: Sequence[str], seeds: int, model: str | None
+) -> None:
+    """Something to run, seeds to run it with, and the model name an endpoint needs."""
+    if not config_paths and not endpoints:
+        raise BenchError("give at least one --config or --endpoint")
+    if seeds < 1:
+        raise BenchError(f"--seeds {seeds} is not allowed; need >= 1")
+    if endpoints and not model:
+        raise BenchError("--endpoint needs --model, the model name the server serves")
+
+
+def _parse_sweep(
+    sweep: str | None, spec: WorkloadSpec, endpoints: Sequence[str]
+) -> SweepSpec | None:
+    """``--sweep``, checked against what it applies to: a config key applies to no endpoint,
+    a rate to no trace."""
+    sweep_spec = parse_sweep(sweep) if sweep else None
+    if sweep_spec is not None and not sweep_spec.is_rate and endpoints:
+        raise BenchError(
+            f"--sweep {sweep_spec.key} changes brigade configs and cannot apply to --endpoint; "
+            "sweep rate=... instead"
+        )
+    if sweep_spec is not None and sweep_spec.is_rate:
+        spec.with_rate(1.0)  # a trace cannot be re-rated: fail before running anything
+    return sweep_spec
+
+
+def _plot_directory(plot_dir: str | None) -> Path | None:
+    """``--plot-dir``, made, once it is sure the plots can be drawn (None: no plots)."""
+    if not plot_dir:
+        return None
+    from brigade.bench.plots import require_matplotlib
+
+    require_matplotlib()
+    plots = Path(plot_dir)
+    plots.mkdir(parents=True, exist_ok=True)
+    return plots
+
+
+def _load_configs(config_paths: Sequence[str], overrides: Sequence[str]) -> list[EngineConfig]:
+    """Every ``--config``, with the ``--set`` overrides."""
+    from brigade.config import load_config
+    from brigade.registry import default_registry
+
+    registry = default_registry()
+    return [load_config(path, registry, overrides=overrides) for path in config_paths]
+
+
+def _shared_vocab_size(configs: Sequence[EngineConfig], endpoint_vocab_size: int | None) -> int:
+    """One vocabulary for every target so each seed's workload is identical across them:
+    the smallest of the configs' models' and the endpoints' (None: no endpoint)."""
+    vocabs = [_vocab_size(config) for config in configs]
+    if endpoint_vocab_size is not None:
+        vocabs.append(endpoint_vocab_size)
+    return min(vocabs)
+
+
+def _run_all(
+    plan: _Plan, targets: Sequence[_Target], values: Sequence[str | None], total: int, show: bool
+) -> dict[str, list[_Collected]]:
+    """Every target at every sweep value, ``total`` requests in all behind a progress bar
+    (``show``)."""
+    from tqdm import tqdm
+
+    collected: dict[str, list[_Collected]] = {}
+    with tqdm(total=total, desc="bench", unit="req", disable=not show) as bar:
+        for target in targets:
+            collected[target.name] = [_run_point(plan, target, value, bar) for value in values]
+    return collected
+
+
+def _differences_from_first(
+    collected: dict[str, list[_Collected]],
+) -> dict[str, dict[str, Difference]]:
+    """Each target's difference from the first, paired by seed (no sweep: one point each)."""
+    baseline, *others = collected
+    return {
+        name: compare_runs(collected[baseline][0].runs, collected[name][0].runs) for name in others
+    }
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

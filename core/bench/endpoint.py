@@ -151,24 +151,7 @@ async def _request(
     request: WorkloadRequest,
 ) -> RequestTiming | str:
     """One streamed completion: its timing, or a one-line error message."""
-    prompt: str | list[int] = (
-        list(request.prompt_token_ids)
-        if endpoint.prompt_format == "token_ids"
-        else text_prompt(request.prompt_token_ids)
-    )
-    body: dict[str, Any] = {
-        "model": endpoint.model,
-        "prompt": prompt,
-        "max_tokens": request.output_len,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    if request.priority:
-        body["priority"] = request.priority
-    if request.extra:
-        body["extra_args"] = extra_json(request.extra)
+    body = _completion_body(endpoint, request)
     arrivals: list[float] = []
     usage_tokens: int | None = None
     sent = time.perf_counter()
@@ -209,3 +192,27 @@ async def _request(
     return RequestTiming(
         arrivals[0] - sent, finished - sent, tokens, gaps, request.priority, request.extra
     )
+
+
+def _completion_body(endpoint: Endpoint, request: WorkloadRequest) -> dict[str, Any]:
+    """The streamed ``/v1/completions`` request for ``request``: greedy, exactly
+    ``output_len`` tokens (``ignore_eos``), usage in the last chunk."""
+    prompt: str | list[int] = (
+        list(request.prompt_token_ids)
+        if endpoint.prompt_format == "token_ids"
+        else text_prompt(request.prompt_token_ids)
+    )
+    body: dict[str, Any] = {
+        "model": endpoint.model,
+        "prompt": prompt,
+        "max_tokens": request.output_len,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if request.priority:
+        body["priority"] = request.priority
+    if request.extra:
+        body["extra_args"] = extra_json(request.extra)
+    return body

@@ -7,12 +7,16 @@ from __future__ import annotations
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from brigade.bench.endpoint import Endpoint, run_endpoint
 from brigade.bench.report import BenchError, RequestTiming, RunMetrics, TokenTimes
 from brigade.bench.workloads import FIRST_TOKEN_ID, WorkloadRequest, submit
+
+if TYPE_CHECKING:
+    from brigade.engine import EngineStats
+    from brigade.interfaces import ExtraValue
 
 __all__ = ["Progress", "run_on_endpoint", "run_real", "run_simulated", "warm_up"]
 
@@ -102,7 +106,27 @@ def run_real(
                     workload[index].extra,
                 )
                 progress()
-    after = engine.stats()
+    run = _run_metrics(
+        before,
+        engine.stats(),
+        start,
+        num_failed=len(errors),
+        failed_extra=tuple(workload[index].extra for index in refused),
+    )
+    _report_refused(prefix.rstrip("-") or "engine", errors, len(workload))
+    return [timings[i] for i in sorted(timings)], run
+
+
+def _run_metrics(
+    before: EngineStats,
+    after: EngineStats,
+    start: float,
+    *,
+    num_failed: int,
+    failed_extra: tuple[Mapping[str, ExtraValue], ...],
+) -> RunMetrics:
+    """The run's counters: the engine's increase from ``before`` to ``after``, and the wall
+    time since ``start`` (``time.perf_counter``)."""
     queries = after.prefix_cache_queries - before.prefix_cache_queries
     hits = after.prefix_cache_hits - before.prefix_cache_hits
     from brigade.speculative import SpeculativeStats  # the engine is loaded by now
@@ -112,17 +136,15 @@ def run_real(
         if after.speculative is None
         else SpeculativeStats.combine([after.speculative, before.speculative], sign=-1)
     )
-    run = RunMetrics(
+    return RunMetrics(
         duration_s=time.perf_counter() - start,
         num_preemptions=after.num_preemptions - before.num_preemptions,
         prefix_hit_rate=hits / queries if queries else 0.0,
-        num_failed=len(errors),
-        failed_extra=tuple(workload[index].extra for index in refused),
+        num_failed=num_failed,
+        failed_extra=failed_extra,
         draft_acceptance_rate=None if speculative is None else speculative.acceptance_rate,
         mean_accepted_length=None if speculative is None else speculative.mean_accepted_length,
     )
-    _report_refused(prefix.rstrip("-") or "engine", errors, len(workload))
-    return [timings[i] for i in sorted(timings)], run
 
 
 def run_on_endpoint(

@@ -215,19 +215,11 @@ def _run(
         arrival = workload[pending[0]].arrival_time if pending else math.inf
         if earliest is None or arrival <= earliest.clock():
             index = pending.popleft()
-            request = workload[index]
-            loads = [replica.load(i) for i, replica in enumerate(replicas)]
-            target = router.route(str(index), request.prompt_token_ids, loads)
-            if not 0 <= target < len(replicas):
-                raise RuntimeError(f"router returned replica {target} of {len(replicas)}")
-            replica = replicas[target]
-            if not replica.engine.has_unfinished():
-                replica.clock.advance_to(request.arrival_time)
-            if submit(replica.engine, str(index), request, errors):
-                placed[index] = target
-            else:
+            target = _route_arrival(index, workload[index], replicas, router, errors)
+            if target is None:
                 refused.append(index)
-                router.finished(str(index), target)
+            else:
+                placed[index] = target
             continue
         engine, clock = earliest.engine, earliest.clock
         steps_before, busy_before = engine.num_steps, engine.modelled_time_s()
@@ -241,21 +233,69 @@ def _run(
             index = int(update.request.request_id)
             times.token(index, clock())
             if update.finished:
-                request = workload[index]
                 first, gaps = times.finish(index)
-                records[index] = RequestRecord(
-                    arrival_time=request.arrival_time,
-                    ttft_s=first - request.arrival_time,
-                    e2e_s=clock() - request.arrival_time,
-                    prompt_len=len(request.prompt_token_ids),
-                    output_len=update.request.num_output_tokens,
-                    priority=request.priority,
-                    itl_s=gaps,
-                    extra=request.extra,
+                records[index] = _record(
+                    workload[index], first, clock(), update.request.num_output_tokens, gaps
                 )
                 router.finished(str(index), placed.pop(index))
                 if on_finished is not None:
                     on_finished()
+    return _result(replicas, records, start, started, errors, refused)
+
+
+def _route_arrival(
+    index: int,
+    request: WorkloadRequest,
+    replicas: list[_Replica],
+    router: Router,
+    errors: list[str],
+) -> int | None:
+    """Submit arrival ``index`` to the replica the router picks (an idle one's clock first
+    moved up to the arrival): that replica, or None when its engine refused the request
+    (its message appended to ``errors``, the router told it finished)."""
+    loads = [replica.load(i) for i, replica in enumerate(replicas)]
+    target = router.route(str(index), request.prompt_token_ids, loads)
+    if not 0 <= target < len(replicas):
+        raise RuntimeError(f"router returned replica {target} of {len(replicas)}")
+    replica = replicas[target]
+    if not replica.engine.has_unfinished():
+        replica.clock.advance_to(request.arrival_time)
+    if submit(replica.engine, str(index), request, errors):
+        return target
+    router.finished(str(index), target)
+    return None
+
+
+def _record(
+    request: WorkloadRequest,
+    first_token_at: float,
+    finished_at: float,
+    output_len: int,
+    itl_s: tuple[float, ...],
+) -> RequestRecord:
+    """A finished request's timings, on the virtual clock."""
+    return RequestRecord(
+        arrival_time=request.arrival_time,
+        ttft_s=first_token_at - request.arrival_time,
+        e2e_s=finished_at - request.arrival_time,
+        prompt_len=len(request.prompt_token_ids),
+        output_len=output_len,
+        priority=request.priority,
+        itl_s=itl_s,
+        extra=request.extra,
+    )
+
+
+def _result(
+    replicas: Sequence[_Replica],
+    records: dict[int, RequestRecord],
+    start: float,
+    started: float,
+    errors: Sequence[str],
+    refused: Sequence[int],
+) -> SimulationResult:
+    """The simulation's outcome: every replica's counters together, the virtual time from
+    the first arrival (``start``) and the wall time since ``started``."""
     stats = [replica.engine.stats() for replica in replicas]
     queries = sum(s.prefix_cache_queries for s in stats)
     return SimulationResult(

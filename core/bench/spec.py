@@ -211,6 +211,27 @@ def parse_workload(spec: str) -> WorkloadSpec:
                 f"workload {spec!r} is neither a JSONL trace file nor {SYNTHETIC_GRAMMAR}"
             )
         return WorkloadSpec(trace=path)
+    fields, extra = _synthetic_terms(spec)
+    num_requests, arrivals = _requests_and_arrivals(spec, fields)
+    groups, prefix_len, turns = _prefixes_and_turns(fields, num_requests)
+    return WorkloadSpec(
+        num_requests=num_requests,
+        prompt_lens=_parse_lengths("prompt", fields.get("prompt", "fixed:128")),
+        output_lens=_parse_lengths("output", fields.get("output", "fixed:64")),
+        arrivals=arrivals,
+        priorities=_parse_priorities(fields["priorities"]) if "priorities" in fields else (),
+        num_prefix_groups=groups,
+        prefix_len=prefix_len,
+        num_turns=turns,
+        think_time_s=_number(fields, "think_time", 1.0),
+        extra=tuple(extra.items()),
+    )
+
+
+def _synthetic_terms(
+    spec: str,
+) -> tuple[dict[str, str], dict[str, tuple[tuple[ExtraValue, float], ...]]]:
+    """A synthetic spec's ``key=value`` terms, and its ``extra.NAME`` ones parsed."""
     fields: dict[str, str] = {}
     extra: dict[str, tuple[tuple[ExtraValue, float], ...]] = {}
     for part in filter(None, spec[len(SYNTHETIC_PREFIX) :].split(",")):
@@ -224,6 +245,11 @@ def parse_workload(spec: str) -> WorkloadSpec:
                 f"{EXTRA_PREFIX}NAME"
             )
         fields[key] = value
+    return fields, extra
+
+
+def _requests_and_arrivals(spec: str, fields: dict[str, str]) -> tuple[int, Arrivals]:
+    """``requests`` (required), and the arrival process ``rate`` and ``burstiness`` give."""
     if "requests" not in fields:
         raise BenchError("a synthetic workload needs requests=N")
     try:
@@ -238,9 +264,14 @@ def parse_workload(spec: str) -> WorkloadSpec:
         raise BenchError(f"workload rate={rate} is not allowed; need >= 0 (0 = all at once)")
     kind = "at_once" if rate == 0 else ("poisson" if "burstiness" not in fields else "gamma")
     try:
-        arrivals = Arrivals(kind, rate, burstiness)  # type: ignore[arg-type]
+        return num_requests, Arrivals(kind, rate, burstiness)  # type: ignore[arg-type]
     except WorkloadError as exc:
         raise BenchError(str(exc)) from exc
+
+
+def _prefixes_and_turns(fields: dict[str, str], num_requests: int) -> tuple[int, int, int]:
+    """``prefix_groups``, ``prefix_len`` and ``turns``, checked together: both prefix keys or
+    neither, ``requests`` a multiple of the turns and of the groups of single-turn requests."""
     groups = _integer(fields, "prefix_groups", 0, 1) if "prefix_groups" in fields else 0
     prefix_len = _integer(fields, "prefix_len", 0, 1) if "prefix_len" in fields else 0
     if bool(groups) != bool(prefix_len):
@@ -253,18 +284,7 @@ def parse_workload(spec: str) -> WorkloadSpec:
             )
     if "think_time" in fields and turns == 1:
         raise BenchError("workload think_time is the gap between turns; give turns=T too")
-    return WorkloadSpec(
-        num_requests=num_requests,
-        prompt_lens=_parse_lengths("prompt", fields.get("prompt", "fixed:128")),
-        output_lens=_parse_lengths("output", fields.get("output", "fixed:64")),
-        arrivals=arrivals,
-        priorities=_parse_priorities(fields["priorities"]) if "priorities" in fields else (),
-        num_prefix_groups=groups,
-        prefix_len=prefix_len,
-        num_turns=turns,
-        think_time_s=_number(fields, "think_time", 1.0),
-        extra=tuple(extra.items()),
-    )
+    return groups, prefix_len, turns
 
 
 def _parse_extra(term: str, text: str) -> tuple[tuple[ExtraValue, float], ...]:

@@ -206,7 +206,30 @@ def _build_config(
     if dtype not in _TORCH_DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; expected one of {list(DTYPES)}")
     config_cls, model_cls_name, arch_values = _ARCH_SPECS[arch]
+    _check_override_keys(arch, config_cls, overrides)
+    values: dict[str, Any] = {
+        **_SIZE_PRESETS[size],
+        "max_position_embeddings": 4096,
+        "hidden_act": "silu",
+        "bos_token_id": kind.token_id(kind.bos_token),
+        "eos_token_id": kind.token_id(kind.eos_token),
+        "pad_token_id": kind.token_id(kind.pad_token),
+        **arch_values,
+        **overrides,
+        "tie_word_embeddings": tie_word_embeddings,
+        "dtype": dtype,
+        "architectures": [model_cls_name],
+    }
+    config = config_cls(**values)
+    _check_built_config(config, overrides)
+    return config
 
+
+def _check_override_keys(
+    arch: str, config_cls: type[PretrainedConfig], overrides: Mapping[str, Any]
+) -> None:
+    """Overrides name fields of the architecture's config that no argument of
+    :func:`create_model` sets."""
     reserved = sorted(_RESERVED_KEYS.intersection(overrides))
     if reserved:
         raise ValueError(
@@ -223,21 +246,9 @@ def _build_config(
             f"unknown config keys for arch {arch!r}: {unknown}; known keys: {sorted(known)}"
         )
 
-    values: dict[str, Any] = {
-        **_SIZE_PRESETS[size],
-        "max_position_embeddings": 4096,
-        "hidden_act": "silu",
-        "bos_token_id": kind.token_id(kind.bos_token),
-        "eos_token_id": kind.token_id(kind.eos_token),
-        "pad_token_id": kind.token_id(kind.pad_token),
-        **arch_values,
-        **overrides,
-        "tie_word_embeddings": tie_word_embeddings,
-        "dtype": dtype,
-        "architectures": [model_cls_name],
-    }
-    config = config_cls(**values)
 
+def _check_built_config(config: PretrainedConfig, overrides: Mapping[str, Any]) -> None:
+    """The config holds the whole tokenizer's vocabulary, and every override as given."""
     if config.vocab_size < MAX_VOCAB_SIZE:
         raise ValueError(
             f"vocab_size must be >= {MAX_VOCAB_SIZE} (the tokenizer's size), "
@@ -248,11 +259,10 @@ def _build_config(
     for key, value in overrides.items():
         if value is not None and getattr(config, key, None) is None:
             raise ValueError(
-                f"override {key}={value!r} was discarded by {config_cls.__name__}; "
+                f"override {key}={value!r} was discarded by {type(config).__name__}; "
                 "it probably depends on another field (e.g. qwen2/qwen3 sliding_window "
                 "requires use_sliding_window=True)"
             )
-    return config
 
 
 def _init_std(name: str, shape: torch.Size, config: PretrainedConfig) -> tuple[float, float]:

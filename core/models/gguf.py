@@ -260,21 +260,8 @@ def _parse(path: Path) -> tuple[dict[str, Any], list[GGUFTensor]]:
 
 
 def _parse_buffer(buffer: mmap.mmap, path: Path) -> tuple[dict[str, Any], list[GGUFTensor]]:
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
     cursor = _Cursor(buffer, path)
-    cursor._need(4)
-    if buffer[:4] != GGUF_MAGIC:
-        raise ModelLoadError(f"{path} is not a GGUF file (it does not start with 'GGUF')")
-    cursor.offset = 4
-    version = cursor.scalar("I")
-    if version not in SUPPORTED_VERSIONS:
-        if version & 0xFFFF == 0:
-            raise ModelLoadError(f"{path} is a big-endian GGUF; only little-endian is supported")
-        raise ModelLoadError(
-            f"{path}: GGUF version {version} is not supported; supported: "
-            f"{', '.join(map(str, SUPPORTED_VERSIONS))}"
-        )
+    _check_header(cursor, buffer, path)
     tensor_count = cursor.scalar("Q")
     kv_count = cursor.scalar("Q")
     metadata: dict[str, Any] = {}
@@ -292,6 +279,35 @@ def _parse_buffer(buffer: mmap.mmap, path: Path) -> tuple[dict[str, Any], list[G
     if not isinstance(alignment, int) or alignment < 1 or alignment & (alignment - 1):
         raise ModelLoadError(f"{path}: general.alignment {alignment!r} is not a power of two")
     data_start = -(-cursor.offset // alignment) * alignment
+    return metadata, _tensors(infos, data_start, len(buffer), path)
+
+
+def _check_header(cursor: _Cursor, buffer: mmap.mmap, path: Path) -> None:
+    """The magic and a supported version, read past."""
+    cursor._need(4)
+    if buffer[:4] != GGUF_MAGIC:
+        raise ModelLoadError(f"{path} is not a GGUF file (it does not start with 'GGUF')")
+    cursor.offset = 4
+    version = cursor.scalar("I")
+    if version not in SUPPORTED_VERSIONS:
+        if version & 0xFFFF == 0:
+            raise ModelLoadError(f"{path} is a big-endian GGUF; only little-endian is supported")
+        raise ModelLoadError(
+            f"{path}: GGUF version {version} is not supported; supported: "
+            f"{', '.join(map(str, SUPPORTED_VERSIONS))}"
+        )
+
+
+def _tensors(
+    infos: list[tuple[str, tuple[int, ...], int, int]],
+    data_start: int,
+    file_size: int,
+    path: Path,
+) -> list[GGUFTensor]:
+    """The tensors the header's ``infos`` (name, GGUF dims, type, offset in the data) describe,
+    each checked to be of a known type, whole blocks per row, and inside the file."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
     tensors = []
     for name, dims, type_id, offset in infos:
         try:
@@ -312,12 +328,12 @@ def _parse_buffer(buffer: mmap.mmap, path: Path) -> tuple[dict[str, Any], list[G
             )
         nbytes = elements // block_size * type_size
         start = data_start + offset
-        if start + nbytes > len(buffer):
+        if start + nbytes > file_size:
             raise ModelLoadError(
                 f"{path} is truncated: tensor {name!r} ends at byte {start + nbytes} of "
-                f"{len(buffer)}; re-download or re-convert it"
+                f"{file_size}; re-download or re-convert it"
             )
         tensors.append(
             GGUFTensor(name, tuple(reversed(dims)), qtype.name, type_id, start, nbytes, path)
         )
-    return metadata, tensors
+    return tensors

@@ -3,7 +3,7 @@ the errors' shape (the generation endpoints' work is in ``generation``)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import structlog
 from litestar import Litestar, Request, Response, get, post, route
@@ -69,6 +69,12 @@ def create_app(state: ServerState) -> Litestar:
 
 
 def _handlers(state: ServerState) -> list[Any]:
+    return [*_probe_handlers(state), *_model_handlers(state), *_generation_handlers(state)]
+
+
+def _probe_handlers(state: ServerState) -> list[Any]:
+    """What probes and scrapers reach without an API key (:data:`OPEN_PATHS`)."""
+
     @get("/health", sync_to_thread=False)
     def health() -> Response[dict[str, Any]]:
         """Readiness: the server's status and process counts, the engine's latest counters
@@ -114,6 +120,12 @@ def _handlers(state: ServerState) -> list[Any]:
         """The ``brigade-llm`` distribution's version, in vLLM's shape."""
         return json_response({"version": installed_version()})
 
+    return [health, ping, version, metrics]
+
+
+def _model_handlers(state: ServerState) -> list[Any]:
+    """The served model's cards, and its tokenizer."""
+
     @get("/v1/models", sync_to_thread=False)
     def models() -> Response[out.ModelList]:
         return json_response(_served_models(state))
@@ -132,8 +144,7 @@ def _handlers(state: ServerState) -> list[Any]:
 
     @post("/tokenize", status_code=200)
     async def tokenize(request: Request[Any, Any, Any]) -> Response[out.TokenizeResponse]:
-        body = proto.decode_json(await read_body(request, state.settings), proto.TokenizeRequest)
-        _check_model(state, body.model)
+        body = await _read_request(state, request, proto.TokenizeRequest)
         if body.messages is not None:
             tokens = await state.run_blocking(
                 chat_prompt, state, body.messages, body.add_generation_prompt, None
@@ -146,8 +157,7 @@ def _handlers(state: ServerState) -> list[Any]:
 
     @post("/detokenize", status_code=200)
     async def detokenize(request: Request[Any, Any, Any]) -> Response[out.DetokenizeResponse]:
-        body = proto.decode_json(await read_body(request, state.settings), proto.DetokenizeRequest)
-        _check_model(state, body.model)
+        body = await _read_request(state, request, proto.DetokenizeRequest)
         vocab = state.async_engine.info.vocab_size
         if any(t >= vocab for t in body.tokens):
             raise ProtocolError(
@@ -156,48 +166,52 @@ def _handlers(state: ServerState) -> list[Any]:
         text = await state.run_blocking(state.tokenizer.decode, body.tokens)
         return json_response(out.DetokenizeResponse(text))
 
+    return [models, model, tokenize, detokenize]
+
+
+def _generation_handlers(state: ServerState) -> list[Any]:
+    """The generation endpoints; each answers nothing to a client that has gone."""
+
     @post("/v1/chat/completions", status_code=200)
     async def chat(request: Request[Any, Any, Any]) -> Response[out.ChatCompletion] | Stream:
-        raw = await read_body(request, state.settings)
-        body = proto.decode_json(raw, proto.ChatCompletionRequest)
-        _check_model(state, body.model)
+        body = await _read_request(state, request, proto.ChatCompletionRequest)
         return await unless_disconnected(request, chat_completion(state, request, body))
 
     @post("/v1/completions", status_code=200)
     async def completions(request: Request[Any, Any, Any]) -> Response[out.Completion] | Stream:
-        raw = await read_body(request, state.settings)
-        body = proto.decode_json(raw, proto.CompletionRequest)
-        _check_model(state, body.model)
+        body = await _read_request(state, request, proto.CompletionRequest)
         return await unless_disconnected(request, completion(state, request, body))
 
     @post("/v1/embeddings", status_code=200)
     async def embeddings(request: Request[Any, Any, Any]) -> Response[Any]:
-        raw = await read_body(request, state.settings)
-        body = proto.decode_json(raw, EmbeddingRequest)
-        _check_model(state, body.model)
+        body = await _read_request(state, request, EmbeddingRequest)
         return await unless_disconnected(request, embed(state, request, body))
 
     @post("/v1/responses", status_code=200)
     async def responses(request: Request[Any, Any, Any]) -> Response[Any] | Stream:
-        raw = await read_body(request, state.settings)
-        body = proto.decode_json(raw, ResponsesRequest)
-        _check_model(state, body.model)
+        body = await _read_request(state, request, ResponsesRequest)
         return await unless_disconnected(request, create_response(state, request, body))
 
-    return [
-        health,
-        ping,
-        version,
-        metrics,
-        models,
-        model,
-        tokenize,
-        detokenize,
-        chat,
-        completions,
-        embeddings,
-        responses,
-    ]
+    return [chat, completions, embeddings, responses]
+
+
+class _ModelRequest(Protocol):
+    """A request body that may name the model it is for."""
+
+    @property
+    def model(self) -> str | None: ...
+
+
+_Body = TypeVar("_Body", bound=_ModelRequest)
+
+
+async def _read_request(
+    state: ServerState, request: Request[Any, Any, Any], type_: type[_Body]
+) -> _Body:
+    """The request's body decoded as ``type_``, checked to be for the served model."""
+    body = proto.decode_json(await read_body(request, state.settings), type_)
+    _check_model(state, body.model)
+    return body
 
 
 def _served_models(state: ServerState) -> out.ModelList:

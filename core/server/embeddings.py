@@ -106,44 +106,17 @@ async def embed(
     """Embed every input of a decoded request; all of them, or an error for the request."""
     inputs = body.inputs()
     check_batch_size(len(inputs), state.settings)
-    hidden_size = _hidden_size(state)
-    if body.dimensions is not None and body.dimensions != hidden_size:
-        raise ProtocolError(
-            f"dimensions {body.dimensions} is not supported: this model's embeddings have "
-            f"{hidden_size} dimensions and cannot be shortened.",
-            param="dimensions",
-        )
+    _check_dimensions(state, body.dimensions)
     prompts = await state.run_blocking(_encode, state, inputs, body.add_special_tokens)
     prompts = [_truncate(p, body.truncate_prompt_tokens, state.max_model_len) for p in prompts]
-    settings = state.settings
-    normalize = body.normalize if body.normalize is not None else settings.embedding_normalize
-    pooling = PoolingParams(mode=settings.embedding_pooling, normalize=normalize)
-    engine = state.async_engine
-    admissions = []
-    for index, prompt in enumerate(prompts):
-        try:
-            admissions.append(engine.admit(prompt, _PARAMS, pooling=pooling))
-        except RequestError as exc:
-            message = str(exc) if len(prompts) == 1 else f"input {index}: {exc}"
-            param = "input" if exc.param in (None, "prompt") else exc.param
-            raise ProtocolError(message, param=param) from None
+    admissions = _admit(state, prompts, body.normalize)
     if state.shutting_down:
         raise ProtocolError("The server is shutting down.")
     state.async_engine.check_capacity(len(prompts))
-    charge_rate_limit(request, state.limiter, settings, prompts, 0)
+    charge_rate_limit(request, state.limiter, state.settings, prompts, 0)
     response_id = f"embd-{uuid.uuid4().hex}"
     started = time.monotonic()
-    tasks = [
-        asyncio.create_task(_one(state, f"{response_id}-{index}", admission, body.priority))
-        for index, admission in enumerate(admissions)
-    ]
-    try:
-        vectors = await asyncio.gather(*tasks)
-    except BaseException:
-        for task in tasks:
-            task.cancel()  # leaving their streams aborts their engine requests
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
+    vectors = await _embed_all(state, response_id, admissions, body.priority)
     elapsed = time.monotonic() - started
     for prompt in prompts:
         state.metrics.observe_finished(len(prompt), 0, elapsed, "stop")
@@ -161,6 +134,52 @@ async def embed(
             usage=EmbeddingUsage(num_tokens, num_tokens),
         )
     )
+
+
+def _check_dimensions(state: ServerState, dimensions: int | None) -> None:
+    """Refuse ``dimensions`` other than the model's own size."""
+    hidden_size = _hidden_size(state)
+    if dimensions is not None and dimensions != hidden_size:
+        raise ProtocolError(
+            f"dimensions {dimensions} is not supported: this model's embeddings have "
+            f"{hidden_size} dimensions and cannot be shortened.",
+            param="dimensions",
+        )
+
+
+def _admit(state: ServerState, prompts: list[list[int]], normalize: bool | None) -> list[Any]:
+    """Each prompt admitted as an embedding request, pooled as the server says; the first
+    one the engine refuses fails the request, naming the input."""
+    settings = state.settings
+    if normalize is None:
+        normalize = settings.embedding_normalize
+    pooling = PoolingParams(mode=settings.embedding_pooling, normalize=normalize)
+    admissions = []
+    for index, prompt in enumerate(prompts):
+        try:
+            admissions.append(state.async_engine.admit(prompt, _PARAMS, pooling=pooling))
+        except RequestError as exc:
+            message = str(exc) if len(prompts) == 1 else f"input {index}: {exc}"
+            param = "input" if exc.param in (None, "prompt") else exc.param
+            raise ProtocolError(message, param=param) from None
+    return admissions
+
+
+async def _embed_all(
+    state: ServerState, response_id: str, admissions: list[Any], priority: int
+) -> list[list[float]]:
+    """Every admitted input's vector, run concurrently; the first failure cancels the rest."""
+    tasks = [
+        asyncio.create_task(_one(state, f"{response_id}-{index}", admission, priority))
+        for index, admission in enumerate(admissions)
+    ]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()  # leaving their streams aborts their engine requests
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 async def _one(state: ServerState, request_id: str, admission: Any, priority: int) -> list[float]:

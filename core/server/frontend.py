@@ -17,7 +17,7 @@ import structlog
 
 from brigade.admission import Admission
 from brigade.errors import RequestError, RequestFailedError
-from brigade.interfaces import EMPTY_EXTRA, Detokenizer, ExtraValue
+from brigade.interfaces import EMPTY_EXTRA, Detokenizer, ExtraValue, Request
 from brigade.output import Choice, ChoiceDelta, OutputProcessor
 from brigade.server.logs import log_request_finished
 from brigade.server.metrics import ServerMetrics
@@ -103,6 +103,8 @@ class Frontend:
         check_queue: bool,
         extra: Mapping[str, ExtraValue] = EMPTY_EXTRA,
     ) -> None:
+        """Put the choice's deltas in ``out``, then None (after a failure of anything but the
+        choice itself, the exception instead); start its followers once it has a token."""
         first_token_at: float | None = None
         scheduled_at = arrival
         last_token_at = arrival
@@ -120,10 +122,7 @@ class Frontend:
                 now = time.monotonic()
                 if first_token_at is None:
                     first_token_at = now
-                    scheduled_at = update.request.first_scheduled_time or now
-                    self.metrics.observe_first_token(
-                        now - arrival, max(0.0, scheduled_at - arrival)
-                    )
+                    scheduled_at = self._first_token(update.request, arrival, now)
                 else:
                     self.metrics.observe_inter_token(now - last_token_at)
                 last_token_at = now
@@ -142,9 +141,7 @@ class Frontend:
             raise
         except (RequestError, RequestFailedError) as exc:  # this choice alone failed
             finish_reason = "error"
-            out.put_nowait(self.processor.fail(choice, exc))
-            for follower in choice.take_followers():  # they were to follow its prefill
-                start(follower)
+            self._choice_failed(choice, exc, out, start)
         except Exception as exc:  # handed to the consumer, which re-raises it
             out.put_nowait(exc)
             return
@@ -154,6 +151,26 @@ class Frontend:
                     choice, admission, (arrival, scheduled_at, first_token_at), finish_reason, out
                 )
         out.put_nowait(None)
+
+    def _first_token(self, request: Request, arrival: float, now: float) -> float:
+        """Record a choice's time to first token (``now``) and its time queued; returns when
+        it was first scheduled (``now``, when the engine did not say)."""
+        scheduled_at = request.first_scheduled_time or now
+        self.metrics.observe_first_token(now - arrival, max(0.0, scheduled_at - arrival))
+        return scheduled_at
+
+    def _choice_failed(
+        self,
+        choice: Choice,
+        exc: RequestError | RequestFailedError,
+        out: asyncio.Queue[ChoiceDelta | BaseException | None],
+        start: Callable[[Choice], None],
+    ) -> None:
+        """End a choice that failed on its own with its error delta, and start the choices
+        that were to follow its prefill."""
+        out.put_nowait(self.processor.fail(choice, exc))
+        for follower in choice.take_followers():
+            start(follower)
 
     def _finished(
         self,

@@ -29,6 +29,9 @@ from brigade.server.lifecycle import EXIT_ENGINE_DEAD, EXIT_STARTUP_ERROR
 
 if TYPE_CHECKING:
     from brigade.config import EngineConfig
+    from brigade.interfaces import Checkpoint
+    from brigade.registry import Registry
+    from brigade.server.engine_client import EngineClient
     from brigade.server.engine_link import FrontendKeys
     from brigade.server.request_streams import RequestStreams
 
@@ -89,33 +92,74 @@ def run_frontend_process(
     ``rate_limit_db`` (``brigade.server.bucket_store``); ``frontends_alive``: one flag per
     front end, which the supervisor clears when that one exits (``brigade.server.health``)."""
     os.setpgrp()  # signals come from the supervisor, not from the terminal
-    # What the supervisor would have removed, were it killed: the shared folders.
-    shared = [Path(metrics_dir)] if metrics_dir is not None else []
-    if rate_limit_db is not None:
-        shared.append(Path(rate_limit_db).parent)
-    watch_parent(parent_pid, leave=lambda: _remove_all(shared))
-    from brigade.assemble import open_model
-    from brigade.config import load_config
-    from brigade.errors import BrigadeError
-    from brigade.models.checkpoint import require_tokenizer
-    from brigade.registry import default_registry
-    from brigade.server.engine_client import EngineClient
+    _exit_with_supervisor(parent_pid, metrics_dir, rate_limit_db)
     from brigade.server.logs import configure_logging
     from brigade.server.serve import frontend_state, run_http
 
     configure_logging()
     structlog.contextvars.bind_contextvars(frontend=index)
+    registry, config, checkpoint = _open_model_or_exit(config_path, overrides)
+    clients = _connect_or_exit(config, index, addresses, engine_pids, keys)
+    state = frontend_state(
+        config,
+        registry,
+        _routed(clients, registry, config),
+        checkpoint,
+        metrics_dir=metrics_dir,
+        rate_limit_db=rate_limit_db,
+        frontends=None if frontends_alive is None else FrontendRoster(frontends_alive),
+    )
+    freeze_startup_heap()
+    sys.exit(run_http(state, config, sock, announce=index == 0))
+
+
+def _exit_with_supervisor(
+    parent_pid: int, metrics_dir: str | None, rate_limit_db: str | None
+) -> None:
+    """Exit when the supervisor is gone, removing what it would have removed, were it killed:
+    the shared folders."""
+    shared = [Path(metrics_dir)] if metrics_dir is not None else []
+    if rate_limit_db is not None:
+        shared.append(Path(rate_limit_db).parent)
+    watch_parent(parent_pid, leave=lambda: _remove_all(shared))
+
+
+def _open_model_or_exit(
+    config_path: str | None, overrides: list[str]
+) -> tuple[Registry, EngineConfig, Checkpoint]:
+    """The plugins, the config and the model's checkpoint (its tokenizer checked), or exit
+    with ``EXIT_STARTUP_ERROR`` on a config or model error."""
+    from brigade.assemble import open_model
+    from brigade.config import load_config
+    from brigade.errors import BrigadeError
+    from brigade.models.checkpoint import require_tokenizer
+    from brigade.registry import default_registry
+
     try:
         registry = default_registry()
         config = load_config(config_path, registry, overrides=overrides)
-        settings = config["server"].settings
         checkpoint = open_model(config)
         require_tokenizer(checkpoint)  # read while the engine loads its weights
     except BrigadeError as exc:  # the engine says the same; one line each is enough
         print(f"brigade: error: {exc}", file=sys.stderr, flush=True)
         sys.exit(EXIT_STARTUP_ERROR)
+    return registry, config, checkpoint
+
+
+def _connect_or_exit(
+    config: EngineConfig,
+    index: int,
+    addresses: Sequence[str],
+    engine_pids: Sequence[int | None],
+    keys: FrontendKeys | None,
+) -> list[EngineClient]:
+    """Front end ``index``'s link to each engine, or exit with ``EXIT_ENGINE_DEAD`` when one
+    is gone or cannot be reached."""
+    from brigade.server.engine_client import EngineClient
+
+    settings = config["server"].settings
     try:
-        clients = [
+        return [
             EngineClient.connect(
                 address,
                 engine_pid,
@@ -129,28 +173,23 @@ def run_frontend_process(
     except EngineDeadError as exc:
         log.critical("engine_dead", reason=str(exc), exit_code=EXIT_ENGINE_DEAD)
         sys.exit(EXIT_ENGINE_DEAD)
-    streams: RequestStreams = clients[0]
-    if len(clients) > 1:
-        from brigade.interfaces import RouterParams
-        from brigade.server.data_parallel import ReplicatedEngine
 
-        info = clients[0].info
-        component = registry.get("router", config.plugin("router") or "round-robin")
-        router = component.factory(
-            RouterParams(len(clients), info.page_size, info.num_pages), config["router"].options
-        )
-        streams = ReplicatedEngine(clients, router)  # type: ignore[assignment]
-    state = frontend_state(
-        config,
-        registry,
-        streams,
-        checkpoint,
-        metrics_dir=metrics_dir,
-        rate_limit_db=rate_limit_db,
-        frontends=None if frontends_alive is None else FrontendRoster(frontends_alive),
+
+def _routed(
+    clients: list[EngineClient], registry: Registry, config: EngineConfig
+) -> RequestStreams:
+    """The one engine, or the replicas behind the configured router."""
+    if len(clients) == 1:
+        return clients[0]
+    from brigade.interfaces import RouterParams
+    from brigade.server.data_parallel import ReplicatedEngine
+
+    info = clients[0].info
+    component = registry.get("router", config.plugin("router") or "round-robin")
+    router = component.factory(
+        RouterParams(len(clients), info.page_size, info.num_pages), config["router"].options
     )
-    freeze_startup_heap()
-    sys.exit(run_http(state, config, sock, announce=index == 0))
+    return ReplicatedEngine(clients, router)  # type: ignore[return-value]
 
 
 def _remove_all(paths: Sequence[Path]) -> None:

@@ -140,39 +140,14 @@ async def completion(
         default_max_tokens=max(1, state.max_model_len - longest),  # an explicit null
         defaults=state.async_engine.info.sampling_defaults,
     )
-    admissions = []
-    for index, prompt in enumerate(prompts):
-        admissions.append(
-            _admission(
-                state,
-                prompt,
-                params,
-                prompt_param="prompt",
-                grammar_param=body.grammar_param(),
-                index=index,
-            )
-        )
-        if body.max_tokens is not None:
-            check_context(len(prompt), params, state.max_model_len, "max_tokens")
+    admissions = _admit_prompts(state, body, prompts, params)
     _charge(state, request, prompts, params)
     await _await_grammar(state, admissions, body.grammar_param())
     response_id = out.new_completion_id()
-    priority = body.priority or 0
     deltas = await _first_output(
         state,
         admissions,
-        streaming.merge(
-            [
-                state.frontend.generate(
-                    f"{response_id}-{i}",
-                    admission,
-                    priority=priority,
-                    index_offset=i * params.n,
-                    extra=body.extra(),
-                )
-                for i, admission in enumerate(admissions)
-            ]
-        ),
+        _generate_all(state, body, admissions, response_id, params.n),
         prompt_param="prompt",
         grammar_param=body.grammar_param(),
     )
@@ -202,6 +177,55 @@ async def completion(
             usage,
             tokenizer=state.tokenizer,
         )
+    )
+
+
+def _admit_prompts(
+    state: ServerState,
+    body: proto.CompletionRequest,
+    prompts: Sequence[list[int]],
+    params: SamplingParams,
+) -> list[Admission]:
+    """Admit each prompt of a batch in turn; the first one refused, or too long for an
+    explicit ``max_tokens``, fails the request naming its index."""
+    admissions = []
+    for index, prompt in enumerate(prompts):
+        admissions.append(
+            _admission(
+                state,
+                prompt,
+                params,
+                prompt_param="prompt",
+                grammar_param=body.grammar_param(),
+                index=index,
+            )
+        )
+        if body.max_tokens is not None:
+            check_context(len(prompt), params, state.max_model_len, "max_tokens")
+    return admissions
+
+
+def _generate_all(
+    state: ServerState,
+    body: proto.CompletionRequest,
+    admissions: Sequence[Admission],
+    response_id: str,
+    n: int,
+) -> AsyncGenerator[ChoiceDelta, None]:
+    """The deltas of every prompt's ``n`` choices, as one stream; prompt ``i``'s choices are
+    numbered from ``i * n``."""
+    priority = body.priority or 0
+    return streaming.merge(
+        [
+            state.frontend.generate(
+                f"{response_id}-{i}",
+                admission,
+                priority=priority,
+                index_offset=i * n,
+                extra=body.extra(),
+            )
+            for i, admission in enumerate(admissions)
+        ]
     )
 
 

@@ -35,17 +35,8 @@ def sampling_params(
     ``max_tokens`` (the server passes what fits in the context after the prompt).
     """
     model = defaults or {}
-    max_tokens_field = "max_tokens"
-    max_tokens = request.max_tokens
-    if isinstance(request, ChatCompletionRequest):
-        logprobs_field = "top_logprobs"
-        if request.max_completion_tokens is not None:
-            max_tokens_field, max_tokens = "max_completion_tokens", request.max_completion_tokens
-        if request.top_logprobs and not request.logprobs:
-            raise ProtocolError("top_logprobs requires logprobs: true.", param="top_logprobs")
-        num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    else:
-        logprobs_field, num_logprobs = "logprobs", request.logprobs
+    max_tokens_field, max_tokens = _max_tokens(request)
+    logprobs_field, num_logprobs = _logprobs(request)
     stop = request.stop
     try:
         return SamplingParams(
@@ -72,17 +63,43 @@ def sampling_params(
             structured_output=request.structured_output(),
         )
     except ValueError as exc:
-        message = str(exc).removeprefix("sampling parameter ")
-        name = re.match(r"\w+", message)
-        field = name[0] if name else None
-        renamed = {
-            "max_tokens": max_tokens_field,
-            "logprobs": logprobs_field,
-            "structured_output": "response_format",
-        }.get(field or "")
-        if renamed is not None and field is not None:
-            message = renamed + message[len(field) :]
-        raise ProtocolError(f"{message}.", param=renamed or field) from None
+        raise _request_error(
+            exc,
+            {
+                "max_tokens": max_tokens_field,
+                "logprobs": logprobs_field,
+                "structured_output": "response_format",
+            },
+        ) from None
+
+
+def _max_tokens(request: ChatCompletionRequest | CompletionRequest) -> tuple[str, int | None]:
+    """The request's token limit and the field that set it (a chat request's
+    ``max_completion_tokens`` wins over its deprecated ``max_tokens``)."""
+    if isinstance(request, ChatCompletionRequest) and request.max_completion_tokens is not None:
+        return "max_completion_tokens", request.max_completion_tokens
+    return "max_tokens", request.max_tokens
+
+
+def _logprobs(request: ChatCompletionRequest | CompletionRequest) -> tuple[str, int | None]:
+    """How many top log-probabilities the request asks for (None: none at all), and the
+    field that says so: a chat request's ``top_logprobs``, a completion's ``logprobs``."""
+    if not isinstance(request, ChatCompletionRequest):
+        return "logprobs", request.logprobs
+    if request.top_logprobs and not request.logprobs:
+        raise ProtocolError("top_logprobs requires logprobs: true.", param="top_logprobs")
+    return "top_logprobs", (request.top_logprobs or 0) if request.logprobs else None
+
+
+def _request_error(exc: ValueError, renamed_fields: Mapping[str, str]) -> ProtocolError:
+    """``SamplingParams``' complaint about a value, naming the request's field that set it."""
+    message = str(exc).removeprefix("sampling parameter ")
+    name = re.match(r"\w+", message)
+    field = name[0] if name else None
+    renamed = renamed_fields.get(field or "")
+    if renamed is not None and field is not None:
+        message = renamed + message[len(field) :]
+    return ProtocolError(f"{message}.", param=renamed or field)
 
 
 def _top_k(value: int | None, default: float) -> int:

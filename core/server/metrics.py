@@ -189,8 +189,7 @@ class ServerMetrics:
         self.multiprocess_dir = multiprocess_dir
         self.registry = CollectorRegistry(auto_describe=True)
         """This process's series (only this process's, with ``multiprocess_dir``)."""
-        registry = self.registry
-        self._exposed = registry
+        self._exposed = self.registry
         """What :meth:`render` serves."""
         if multiprocess_dir is not None:
             # A registry of its own: the series above are in the directory already, and
@@ -203,104 +202,130 @@ class ServerMetrics:
             self._flavours.append(("brigade:", ["model_name"], [model_name]))
         if names in ("vllm", "both"):
             self._flavours.append(("vllm:", ["model_name", "engine"], [model_name, VLLM_ENGINE]))
+        # Registered in the order /metrics lists them.
+        self._register_latency_histograms()
+        self._register_length_histograms()
+        self._register_engine_gauges(vllm_names=names in ("vllm", "both"))
+        self._register_process_gauges(num_engines, num_frontends)
+        self._register_counters()
+        self._register_grammar_metrics()
+        self.speculative_positions = speculative_positions
+        self._engine_totals = self._engine_total_counters(speculative_positions)
+        """The counters of :data:`ENGINE_TOTALS`, then of :data:`SPECULATIVE_TOTALS`, in the
+        order of the totals :meth:`observe_engine` reads."""
+        self._last_totals: Sequence[float] = [0] * len(self._engine_totals)
+        """The engine's totals at the previous :meth:`observe_engine` (one process)."""
 
-        def make(kind: Any, name: str, doc: str, **kwargs: Any) -> _Series:
-            return _Series(
-                [
-                    kind(prefix + name, doc, labels, registry=registry, **kwargs).labels(*values)
-                    for prefix, labels, values in self._flavours
-                ]
-            )
-
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> _Series:
-            return make(Histogram, name, doc, buckets=buckets)
-
-        def gauge(name: str, doc: str) -> _Series:
-            return make(Gauge, name, doc, multiprocess_mode=GAUGE_MODE)
-
-        def counter(name: str, doc: str) -> _Series:
-            return make(Counter, name, doc)
-
-        def by_label(kind: Any, name: str, doc: str, label: str, values: Sequence[str]) -> dict:
-            families = [
-                (kind(prefix + name, doc, [*labels, label], registry=registry), base)
-                for prefix, labels, base in self._flavours
+    def _series(self, kind: Any, name: str, doc: str, **kwargs: Any) -> _Series:
+        """Metric ``name`` under every configured naming, bound to the naming's labels."""
+        return _Series(
+            [
+                kind(prefix + name, doc, labels, registry=self.registry, **kwargs).labels(*values)
+                for prefix, labels, values in self._flavours
             ]
-            return {v: _Series([f.labels(*base, v) for f, base in families]) for v in values}
+        )
 
-        self._ttft = histogram(
+    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> _Series:
+        return self._series(Histogram, name, doc, buckets=buckets)
+
+    def _gauge(self, name: str, doc: str) -> _Series:
+        return self._series(Gauge, name, doc, multiprocess_mode=GAUGE_MODE)
+
+    def _counter(self, name: str, doc: str) -> _Series:
+        return self._series(Counter, name, doc)
+
+    def _counter_by_label(
+        self, name: str, doc: str, label: str, values: Sequence[str]
+    ) -> dict[str, _Series]:
+        """Counter ``name`` with one more label, one bound series per value of it."""
+        families = [
+            (Counter(prefix + name, doc, [*labels, label], registry=self.registry), base)
+            for prefix, labels, base in self._flavours
+        ]
+        return {v: _Series([f.labels(*base, v) for f, base in families]) for v in values}
+
+    def _register_latency_histograms(self) -> None:
+        """Per-request latencies, and the phases they split into."""
+        self._ttft = self._histogram(
             "time_to_first_token_seconds",
             "Time from arrival to the first generated token.",
             TTFT_BUCKETS,
         )
-        self._inter_token = histogram(
+        self._inter_token = self._histogram(
             "inter_token_latency_seconds",
             "Time between consecutive generated tokens of one request.",
             INTER_TOKEN_BUCKETS,
         )
-        self._tpot = histogram(
+        self._tpot = self._histogram(
             "time_per_output_token_seconds",
             "Time per output token after the first (vLLM's name; the same gaps as "
             "inter_token_latency_seconds).",
             INTER_TOKEN_BUCKETS,
         )
-        self._e2e = histogram(
+        self._e2e = self._histogram(
             "e2e_request_latency_seconds",
             "Time from arrival to the end of a request, however it finished.",
             E2E_BUCKETS,
         )
-        self._queue_time = histogram(
+        self._queue_time = self._histogram(
             "request_queue_time_seconds",
             "Time a request waited before its first scheduled step.",
             QUEUE_BUCKETS,
         )
-        self._prefill_time = histogram(
+        self._prefill_time = self._histogram(
             "request_prefill_time_seconds",
             "Time from a request's first scheduled step to its first token.",
             E2E_BUCKETS,
         )
-        self._decode_time = histogram(
+        self._decode_time = self._histogram(
             "request_decode_time_seconds",
             "Time from a request's first token to its end.",
             E2E_BUCKETS,
         )
-        self._request_prompt = histogram(
+
+    def _register_length_histograms(self) -> None:
+        """Per-request prompt and generation lengths."""
+        self._request_prompt = self._histogram(
             "request_prompt_tokens", "Prompt tokens of each finished request.", TOKEN_BUCKETS
         )
-        self._request_generation = histogram(
+        self._request_generation = self._histogram(
             "request_generation_tokens",
             "Tokens generated by each finished request.",
             TOKEN_BUCKETS,
         )
-        self._request_max_generation = histogram(
+        self._request_max_generation = self._histogram(
             "request_max_num_generation_tokens",
             "Most tokens generated by one choice of each finished request (one choice each).",
             TOKEN_BUCKETS,
         )
-        self._num_running = gauge("num_requests_running", "Requests being run.")
-        self._num_waiting = gauge("num_requests_waiting", "Requests waiting to run.")
-        self._kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV pages in use (1 means full).")
-        self._gpu_cache_usage = (
-            _Series(
-                [
-                    Gauge(
-                        "vllm:gpu_cache_usage_perc",
-                        "Fraction of KV pages in use (vLLM's older name of kv_cache_usage_perc).",
-                        ["model_name", "engine"],
-                        registry=registry,
-                        multiprocess_mode=GAUGE_MODE,
-                    ).labels(model_name, VLLM_ENGINE)
-                ]
-            )
-            if names in ("vllm", "both")
-            else _Series([])
+
+    def _register_engine_gauges(self, *, vllm_names: bool) -> None:
+        """The engine's state (:meth:`observe_engine_gauges`); with vLLM's names also its older
+        name of the KV usage, which has no Brigade counterpart."""
+        self._num_running = self._gauge("num_requests_running", "Requests being run.")
+        self._num_waiting = self._gauge("num_requests_waiting", "Requests waiting to run.")
+        self._kv_usage = self._gauge(
+            "kv_cache_usage_perc", "Fraction of KV pages in use (1 means full)."
         )
-        self._engines_alive = gauge("engines_alive", "Engine processes (replicas) serving.")
-        self._engines_configured = gauge(
+        self._gpu_cache_usage = _Series([])
+        if vllm_names:
+            gpu_cache_usage = Gauge(
+                "vllm:gpu_cache_usage_perc",
+                "Fraction of KV pages in use (vLLM's older name of kv_cache_usage_perc).",
+                ["model_name", "engine"],
+                registry=self.registry,
+                multiprocess_mode=GAUGE_MODE,
+            )
+            self._gpu_cache_usage = _Series([gpu_cache_usage.labels(self.model_name, VLLM_ENGINE)])
+
+    def _register_process_gauges(self, num_engines: int, num_frontends: int) -> None:
+        """The server's processes (:meth:`observe_processes`), all alive at first."""
+        self._engines_alive = self._gauge("engines_alive", "Engine processes (replicas) serving.")
+        self._engines_configured = self._gauge(
             "engines_configured", "Engine processes (replicas) the server started."
         )
-        self._frontends_alive = gauge("frontends_alive", "HTTP front-end processes serving.")
-        self._frontends_configured = gauge(
+        self._frontends_alive = self._gauge("frontends_alive", "HTTP front-end processes serving.")
+        self._frontends_configured = self._gauge(
             "frontends_configured", "HTTP front-end processes the server started."
         )
         self.observe_processes(
@@ -309,41 +334,51 @@ class ServerMetrics:
             frontends_alive=num_frontends,
             frontends_total=num_frontends,
         )
-        self._prompt_tokens = counter("prompt_tokens_total", "Prompt tokens processed.")
-        self._generation_tokens = counter(
+
+    def _register_counters(self) -> None:
+        """Tokens processed, the engine's totals (:data:`ENGINE_TOTALS`) and requests finished."""
+        self._prompt_tokens = self._counter("prompt_tokens_total", "Prompt tokens processed.")
+        self._generation_tokens = self._counter(
             "generation_tokens_total", "Tokens generated (returned to clients)."
         )
-        self._prefix_queries = counter(
+        self._prefix_queries = self._counter(
             "prefix_cache_queries_total", "Tokens looked up in the prefix cache."
         )
-        self._prefix_hits = counter(
+        self._prefix_hits = self._counter(
             "prefix_cache_hits_total", "Of the tokens looked up, those found cached."
         )
-        self._preemptions = counter("num_preemptions_total", "Requests preempted to free KV pages.")
-        self._success = by_label(
-            Counter,
+        self._preemptions = self._counter(
+            "num_preemptions_total", "Requests preempted to free KV pages."
+        )
+        self._success = self._counter_by_label(
             "request_success_total",
             "Requests finished, by finish reason.",
             "finished_reason",
             FINISH_REASONS,
         )
-        self._structured = by_label(
-            Counter,
+
+    def _register_grammar_metrics(self) -> None:
+        """Structured output (:meth:`observe_grammar`)."""
+        self._structured = self._counter_by_label(
             "structured_output_requests_total",
             "Requests with a grammar (response_format or tool calls), by grammar kind.",
             "kind",
             STRUCTURED_OUTPUT_KINDS,
         )
-        self._grammar_wait = histogram(
+        self._grammar_wait = self._histogram(
             "grammar_wait_seconds",
             "Time a request waited for its compiled grammar (near 0 on a cache hit).",
             GRAMMAR_BUCKETS,
         )
-        self._grammar_errors = counter(
+        self._grammar_errors = self._counter(
             "grammar_errors_total",
             "Requests refused because their schema, regex or grammar was invalid.",
         )
-        self._engine_totals = [
+
+    def _engine_total_counters(self, speculative_positions: int) -> list[_EngineTotal]:
+        """The counters :meth:`observe_engine` advances: :data:`ENGINE_TOTALS` (registered
+        by :meth:`_register_counters`), then, on a server that speculates, speculation's."""
+        engine_totals = [
             _EngineTotal(series, name)
             for series, name in zip(
                 (self._prefix_queries, self._prefix_hits, self._preemptions),
@@ -351,37 +386,37 @@ class ServerMetrics:
                 strict=True,
             )
         ]
-        """The counters of :data:`ENGINE_TOTALS`, then of :data:`SPECULATIVE_TOTALS`, in the
-        order of the totals :meth:`observe_engine` reads."""
-        self.speculative_positions = speculative_positions
         if speculative_positions:
-            for name, doc in zip(
-                SPECULATIVE_TOTALS,
-                (
-                    "Request-steps that verified at least one draft token.",
-                    "Draft tokens verified.",
-                    "Draft tokens accepted.",
-                ),
-                strict=True,
-            ):
-                self._engine_totals.append(_EngineTotal(counter(name, doc), name))
-            positions = [str(position) for position in range(speculative_positions)]
-            for name, doc in (
-                (
-                    "spec_decode_num_accepted_tokens_per_pos_total",
-                    "Draft tokens accepted, by position in their step's drafts (0: the first).",
-                ),
-                (
-                    "spec_decode_num_draft_tokens_per_pos_total",
-                    "Draft tokens verified, by position in their step's drafts (0: the first).",
-                ),
-            ):
-                series = by_label(Counter, name, doc, "position", positions)
-                self._engine_totals += [
-                    _EngineTotal(series[p], name, (("position", p),)) for p in positions
-                ]
-        self._last_totals: Sequence[float] = [0] * len(self._engine_totals)
-        """The engine's totals at the previous :meth:`observe_engine` (one process)."""
+            engine_totals += self._speculative_counters(speculative_positions)
+        return engine_totals
+
+    def _speculative_counters(self, speculative_positions: int) -> list[_EngineTotal]:
+        """Speculation's counters: :data:`SPECULATIVE_TOTALS`, then the per-position ones."""
+        engine_totals: list[_EngineTotal] = []
+        for name, doc in zip(
+            SPECULATIVE_TOTALS,
+            (
+                "Request-steps that verified at least one draft token.",
+                "Draft tokens verified.",
+                "Draft tokens accepted.",
+            ),
+            strict=True,
+        ):
+            engine_totals.append(_EngineTotal(self._counter(name, doc), name))
+        positions = [str(position) for position in range(speculative_positions)]
+        for name, doc in (
+            (
+                "spec_decode_num_accepted_tokens_per_pos_total",
+                "Draft tokens accepted, by position in their step's drafts (0: the first).",
+            ),
+            (
+                "spec_decode_num_draft_tokens_per_pos_total",
+                "Draft tokens verified, by position in their step's drafts (0: the first).",
+            ),
+        ):
+            series = self._counter_by_label(name, doc, "position", positions)
+            engine_totals += [_EngineTotal(series[p], name, (("position", p),)) for p in positions]
+        return engine_totals
 
     def observe_first_token(self, ttft_s: float, queue_time_s: float) -> None:
         """Record a request's time to first token and the time it spent queued before it."""

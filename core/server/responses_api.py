@@ -11,6 +11,7 @@ and generated exactly as chat is; the answer is shaped as a ``response`` object 
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from collections.abc import AsyncGenerator, Mapping
@@ -316,15 +317,9 @@ async def _events(
 ) -> AsyncGenerator[bytes, None]:
     """The Responses API's stream: typed events with sequence numbers, then the whole
     response in ``response.completed`` (``response.incomplete`` when cut by length)."""
-    sequence = 0
-
-    def event(kind: str, **fields: Any) -> bytes:
-        nonlocal sequence
-        payload = {"type": kind, "sequence_number": sequence, **fields}
-        sequence += 1
-        return f"event: {kind}\ndata: ".encode() + msgspec.json.encode(payload) + b"\n\n"
-
-    shell = _response(body, response_id, created, model, [], status="in_progress", usage=None)
+    event = _EventWriter()
+    response = functools.partial(_response, body, response_id, created, model)
+    shell = response([], status="in_progress", usage=None)
     yield event("response.created", response=shell)
     yield event("response.in_progress", response=shell)
     output: list[dict[str, Any]] = []
@@ -335,9 +330,7 @@ async def _events(
     finish: str | None = None
     async for delta in _deltas_until_failure(run.deltas):
         if isinstance(delta, APIError):  # the request failed, or the server stopped it
-            failed = _response(
-                body, response_id, created, model, output, status="failed", usage=None
-            )
+            failed = response(output, status="failed", usage=None)
             failed["error"] = {"code": "server_error", "message": delta.message}
             yield event("response.failed", response=failed)
             return
@@ -348,14 +341,8 @@ async def _events(
             if message is None:
                 message = _message_item(_new_id("msg"), "", "in_progress")
                 message["content"] = []
-                yield event("response.output_item.added", output_index=len(output), item=message)
-                yield event(
-                    "response.content_part.added",
-                    item_id=message["id"],
-                    output_index=len(output),
-                    content_index=0,
-                    part={"type": "output_text", "text": "", "annotations": [], "logprobs": []},
-                )
+                for opening in _open_message(event, message, len(output)):
+                    yield opening
             text += content
             yield event(
                 "response.output_text.delta",
@@ -371,42 +358,31 @@ async def _events(
                     yield closing
                 output.append(_message_item(message["id"], text, "completed"))
                 message, text = None, ""
-            item = _call_item(_new_id("fc"), call, "in_progress")
-            item["arguments"] = ""
-            yield event("response.output_item.added", output_index=len(output), item=item)
-            yield event(
-                "response.function_call_arguments.delta",
-                item_id=item["id"],
-                output_index=len(output),
-                delta=call.arguments,
-            )
-            yield event(
-                "response.function_call_arguments.done",
-                item_id=item["id"],
-                output_index=len(output),
-                name=call.name,
-                arguments=call.arguments,
-            )
-            done = _call_item(item["id"], call, "completed")
-            yield event("response.output_item.done", output_index=len(output), item=done)
-            output.append(done)
+            item_id = _new_id("fc")
+            for call_event in _call_events(event, item_id, call, len(output)):
+                yield call_event
+            output.append(_call_item(item_id, call, "completed"))
     status = _status(finish)
     if message is not None:
         for closing in _close_message(event, message, len(output), text, status):
             yield closing
         output.append(_message_item(message["id"], text, status))
-    final = _response(
-        body,
-        response_id,
-        created,
-        model,
-        output,
-        status=status,
-        usage=_usage(len(run.prompt), num_tokens),
-    )
+    final = response(output, status=status, usage=_usage(len(run.prompt), num_tokens))
     yield event(
         "response.incomplete" if status == "incomplete" else "response.completed", response=final
     )
+
+
+class _EventWriter:
+    """Encodes the stream's typed events as SSE, numbering them in the order written."""
+
+    def __init__(self) -> None:
+        self.sequence = 0
+
+    def __call__(self, kind: str, **fields: Any) -> bytes:
+        payload = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return f"event: {kind}\ndata: ".encode() + msgspec.json.encode(payload) + b"\n\n"
 
 
 async def _deltas_until_failure(
@@ -434,9 +410,52 @@ def _split(parser: ToolCallStream | None, delta: ChoiceDelta) -> tuple[str, list
     return parser.feed(delta.text, final=final, truncated=delta.finish_reason == "length")
 
 
+def _open_message(event: _EventWriter, message: dict[str, Any], index: int) -> list[bytes]:
+    """The events that start output item ``index``, an assistant message, and its text part."""
+    return [
+        event("response.output_item.added", output_index=index, item=message),
+        event(
+            "response.content_part.added",
+            item_id=message["id"],
+            output_index=index,
+            content_index=0,
+            part={"type": "output_text", "text": "", "annotations": [], "logprobs": []},
+        ),
+    ]
+
+
+def _call_events(event: _EventWriter, item_id: str, call: ToolCall, index: int) -> list[bytes]:
+    """The events of output item ``index``, a whole function call: added, its arguments in
+    one delta, done."""
+    item = _call_item(item_id, call, "in_progress")
+    item["arguments"] = ""
+    return [
+        event("response.output_item.added", output_index=index, item=item),
+        event(
+            "response.function_call_arguments.delta",
+            item_id=item_id,
+            output_index=index,
+            delta=call.arguments,
+        ),
+        event(
+            "response.function_call_arguments.done",
+            item_id=item_id,
+            output_index=index,
+            name=call.name,
+            arguments=call.arguments,
+        ),
+        event(
+            "response.output_item.done",
+            output_index=index,
+            item=_call_item(item_id, call, "completed"),
+        ),
+    ]
+
+
 def _close_message(
-    event: Any, message: dict[str, Any], index: int, text: str, status: str = "completed"
+    event: _EventWriter, message: dict[str, Any], index: int, text: str, status: str = "completed"
 ) -> list[bytes]:
+    """The events that end output item ``index``, an assistant message of ``text``."""
     part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
     return [
         event(

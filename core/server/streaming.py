@@ -132,22 +132,10 @@ async def chat_events(
                 logprobs = None
                 if want_logprobs and delta.logprobs:
                     logprobs = out.chat_logprobs(delta.logprobs, tokenizer)
-                content: str | None = delta.text
-                calls = None
-                finish_reason = delta.finish_reason
                 if tool_calls:
-                    parser = parsers.setdefault(delta.index, ToolCallStream())
-                    first = parser.num_calls
-                    content, parsed = parser.feed(
-                        delta.text,
-                        final=finish_reason is not None,
-                        truncated=finish_reason == "length",
-                    )
-                    calls = tool_call_dicts(parsed, first_index=first) or None
-                    if finish_reason == "stop" and parser.num_calls:
-                        finish_reason = "tool_calls"
-                    if calls and not content:
-                        content = None
+                    content, calls, finish_reason = _split_tool_calls(parsers, delta)
+                else:
+                    content, calls, finish_reason = delta.text, None, delta.finish_reason
                 chunk = out.chat_chunk(
                     response_id,
                     model,
@@ -168,6 +156,24 @@ async def chat_events(
     if failure is not None:
         yield error_event(failure)
     yield out.SSE_DONE
+
+
+def _split_tool_calls(
+    parsers: dict[int, ToolCallStream], delta: ChoiceDelta
+) -> tuple[str | None, list[dict[str, Any]] | None, str | None]:
+    """A tool-calling choice's delta as its content (None when it only completes calls), the
+    calls it completes, and its finish reason ("tool_calls" for a choice that made calls);
+    ``parsers`` holds each choice's parser, made on its first delta."""
+    parser = parsers.setdefault(delta.index, ToolCallStream())
+    finish_reason = delta.finish_reason
+    first = parser.num_calls
+    content, parsed = parser.feed(
+        delta.text, final=finish_reason is not None, truncated=finish_reason == "length"
+    )
+    calls = tool_call_dicts(parsed, first_index=first) or None
+    if finish_reason == "stop" and parser.num_calls:
+        finish_reason = "tool_calls"
+    return (None if calls and not content else content), calls, finish_reason
 
 
 async def completion_events(

@@ -72,16 +72,8 @@ def random_attention_case(
     seq_lens = [c + q for q, c in zip(query_lens, num_computed, strict=True)]
     pages_per_row = [-(-s // page_size) for s in seq_lens]
     num_pages = sum(pages_per_row) + spare_pages
-    page_order = torch.randperm(num_pages, generator=generator).tolist()
-    tables, next_index = [], 0
-    for count in pages_per_row:
-        tables.append(page_order[next_index : next_index + count])
-        next_index += count
-    chunks = [
-        SeqChunk([0] * q, c, table, want_logits="all")
-        for q, c, table in zip(query_lens, num_computed, tables, strict=True)
-    ]
-    batch = build_model_input(chunks, page_size)
+    tables = _shuffled_block_tables(pages_per_row, num_pages, generator)
+    batch = _ragged_batch(query_lens, num_computed, tables, page_size)
 
     def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
         return (torch.randn(*shape, generator=generator) * scale).to(dtype)
@@ -91,10 +83,8 @@ def random_attention_case(
     dense_keys = [randn(s, num_kv_heads, head_dim) for s in seq_lens]
     dense_values = [randn(s, num_kv_heads, head_dim) for s in seq_lens]
     for row, (table, computed) in enumerate(zip(tables, num_computed, strict=True)):
-        positions = torch.arange(computed)
-        pages = torch.tensor(table, dtype=torch.int64)[positions // page_size]
-        key_pool[pages, positions % page_size] = dense_keys[row][:computed]
-        value_pool[pages, positions % page_size] = dense_values[row][:computed]
+        _write_context(key_pool, table, dense_keys[row][:computed])
+        _write_context(value_pool, table, dense_values[row][:computed])
     new_keys = torch.cat([k[c:] for k, c in zip(dense_keys, num_computed, strict=True)])
     new_values = torch.cat([v[c:] for v, c in zip(dense_values, num_computed, strict=True)])
     layer = AttentionLayer(
@@ -115,6 +105,42 @@ def random_attention_case(
         dense_keys=tuple(dense_keys),
         dense_values=tuple(dense_values),
     )
+
+
+def _shuffled_block_tables(
+    pages_per_row: Sequence[int], num_pages: int, generator: torch.Generator
+) -> list[list[int]]:
+    """Each row's pages, taken in turn from a random permutation of the pool."""
+    page_order = torch.randperm(num_pages, generator=generator).tolist()
+    tables, next_index = [], 0
+    for count in pages_per_row:
+        tables.append(page_order[next_index : next_index + count])
+        next_index += count
+    return tables
+
+
+def _ragged_batch(
+    query_lens: Sequence[int],
+    num_computed: Sequence[int],
+    tables: Sequence[list[int]],
+    page_size: int,
+) -> ModelInput:
+    """One chunk per row: its new tokens (their ids unused) after its cached ones, every
+    position's output wanted."""
+    chunks = [
+        SeqChunk([0] * q, c, table, want_logits="all")
+        for q, c, table in zip(query_lens, num_computed, tables, strict=True)
+    ]
+    return build_model_input(chunks, page_size)
+
+
+def _write_context(pool: torch.Tensor, table: Sequence[int], context: torch.Tensor) -> None:
+    """Put a row's cached ``context`` [num_computed, num_kv_heads, head_dim] in ``pool``
+    [num_pages, page_size, num_kv_heads, head_dim] at positions 0.. of its pages ``table``."""
+    page_size = pool.shape[1]
+    positions = torch.arange(context.shape[0])
+    pages = torch.tensor(table, dtype=torch.int64)[positions // page_size]
+    pool[pages, positions % page_size] = context
 
 
 def naive_attention(case: AttentionCase) -> torch.Tensor:

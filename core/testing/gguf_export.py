@@ -88,6 +88,31 @@ def write_gguf(
             f"{', '.join(SUPPORTED_TENSOR_TYPES)}"
         )
     config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    arch = _gguf_architecture(model_dir, config)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(out, arch, split_max_tensors=split_max_tensors)
+    _add_hyperparameters(writer, config, arch, Path(model_dir).name)
+    writer.add_file_type(gguf.LlamaFileType[_FILE_TYPES[tensor_type]])
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    _add_weights(writer, model_dir, config, arch, tensor_type)
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    factors = _rope_frequency_factors(config, head_dim) if arch == "llama" else None
+    if factors is not None:
+        writer.add_tensor("rope_freqs.weight", factors.astype(np.float32))
+    if tokenizer:
+        from brigade.testing.gguf_tokenizer_export import add_tokenizer_metadata
+
+        add_tokenizer_metadata(writer, Path(model_dir))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return writer.format_shard_names(out)[0]
+
+
+def _gguf_architecture(model_dir: Path, config: dict[str, Any]) -> str:
+    """The ``general.architecture`` of the model ``config`` describes."""
     names = config.get("architectures") or []
     arch = next((GGUF_ARCHITECTURE_OF[n] for n in names if n in GGUF_ARCHITECTURE_OF), None)
     if arch is None:
@@ -95,12 +120,16 @@ def write_gguf(
             f"{model_dir}: architecture {names} cannot be written as GGUF; supported: "
             f"{', '.join(GGUF_ARCHITECTURE_OF)}"
         )
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    writer = gguf.GGUFWriter(out, arch, split_max_tensors=split_max_tensors)
-    _add_hyperparameters(writer, config, arch, Path(model_dir).name)
-    writer.add_file_type(gguf.LlamaFileType[_FILE_TYPES[tensor_type]])
-    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    return arch
+
+
+def _add_weights(
+    writer: Any, model_dir: Path, config: dict[str, Any], arch: str, tensor_type: str
+) -> None:
+    """Every weight under its GGUF name (no ``output.weight`` for a tied model), matrices as
+    ``tensor_type`` (``llama``'s q/k rows permuted), 1-D tensors as F32."""
+    import gguf
+
     name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config["num_hidden_layers"])
     num_heads = config["num_attention_heads"]
     heads = {"q_proj": num_heads, "k_proj": config.get("num_key_value_heads", num_heads)}
@@ -126,19 +155,6 @@ def write_gguf(
             quantize(values, type_name),
             raw_dtype=gguf.GGMLQuantizationType[type_name],
         )
-    head_dim = config.get("head_dim") or config["hidden_size"] // num_heads
-    factors = _rope_frequency_factors(config, head_dim) if arch == "llama" else None
-    if factors is not None:
-        writer.add_tensor("rope_freqs.weight", factors.astype(np.float32))
-    if tokenizer:
-        from brigade.testing.gguf_tokenizer_export import add_tokenizer_metadata
-
-        add_tokenizer_metadata(writer, Path(model_dir))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return writer.format_shard_names(out)[0]
 
 
 def _add_hyperparameters(writer: Any, config: dict[str, Any], arch: str, name: str) -> None:

@@ -12,6 +12,7 @@ from brigade.interfaces import (
     AttentionBackend,
     Executor,
     ExecutorParams,
+    KVCacheSpec,
     ModelArchitecture,
     ModelInput,
     NoOptions,
@@ -129,26 +130,9 @@ def check_executor(
     as core builds them: the model opened once (``params.checkpoint``) and its architecture
     (``params.model_factory``) picked from the installed plugins.
     """
-    from brigade.assemble import model_architecture
-    from brigade.models.checkpoint import open_checkpoint
-    from brigade.registry import default_registry
-
-    checkpoint = open_checkpoint(str(model_dir))
-    params = ExecutorParams(
-        model_path=checkpoint.path,
-        dtype="float32",
-        attention=_sdpa(),
-        page_size=page_size,
-        kv_cache_dtype="auto",
-        max_model_len=0,
-        model_factory=model_architecture(checkpoint, default_registry()),
-        checkpoint=checkpoint,
-    )
-    executor = factory(params, options)
+    executor = factory(_executor_params(model_dir, page_size), options)
     spec = executor.kv_cache_spec()
-    assert spec.page_size == page_size, f"kv_cache_spec page_size {spec.page_size}"
-    for field in ("bytes_per_page", "num_layers", "max_model_len", "vocab_size"):
-        assert getattr(spec, field) > 0, f"kv_cache_spec: implausible {field} in {spec}"
+    _check_kv_cache_spec(spec, page_size)
     executor.initialize_kv_cache(num_pages)
     prompts = [[5, 17, 9, 3, 11], [2, 8, 30, 1, 7, 19, 4, 12, 6]]
     tables = [[3, 0], [5, 1, 7, 2]]  # shuffled, non-contiguous pages
@@ -174,6 +158,32 @@ def check_executor(
         forked = build_model_input([SeqChunk([7], len(prompts[0]), [9, 10])], page_size)
         _assert_close(executor.execute(forked), first[:1], atol, "decode over copied pages")
     executor.shutdown()
+
+
+def _executor_params(model_dir: str | Path, page_size: int) -> ExecutorParams:
+    """An executor's params as core builds them: the model opened once, its architecture
+    picked from the installed plugins; float32 weights, ``sdpa`` attention."""
+    from brigade.assemble import model_architecture
+    from brigade.models.checkpoint import open_checkpoint
+    from brigade.registry import default_registry
+
+    checkpoint = open_checkpoint(str(model_dir))
+    return ExecutorParams(
+        model_path=checkpoint.path,
+        dtype="float32",
+        attention=_sdpa(),
+        page_size=page_size,
+        kv_cache_dtype="auto",
+        max_model_len=0,
+        model_factory=model_architecture(checkpoint, default_registry()),
+        checkpoint=checkpoint,
+    )
+
+
+def _check_kv_cache_spec(spec: KVCacheSpec, page_size: int) -> None:
+    assert spec.page_size == page_size, f"kv_cache_spec page_size {spec.page_size}"
+    for field in ("bytes_per_page", "num_layers", "max_model_len", "vocab_size"):
+        assert getattr(spec, field) > 0, f"kv_cache_spec: implausible {field} in {spec}"
 
 
 def _check_token_ids(executor: Executor, batch: ModelInput, vocab_size: int) -> None:

@@ -108,6 +108,19 @@ def check_chain(
     rows = [2 * index + 5 for index in range(len(requests))][::-1]  # gaps, descending
     tokens = _run(sampler, chain, requests, rows, base, device)
 
+    _check_fields(cases, requests, tokens, base)
+    probe_tokens = dict(zip([name for name, _ in probes], tokens[len(cases) :], strict=True))
+    _check_probes(probe_tokens, acting, base, top)
+
+
+def _check_fields(
+    cases: Sequence[tuple[str, SamplingParams]],
+    requests: Sequence[Request],
+    tokens: Sequence[list[int]],
+    base: torch.Tensor,
+) -> None:
+    """Each field's request sampled what the reference samples, which differs from what the
+    last case, the plain request, samples (so the case tests its field)."""
     plain = _reference(base, requests[len(cases) - 1])
     for (field, sampling), request, got in zip(cases, requests, tokens, strict=False):
         expected = _reference(base, request)
@@ -118,7 +131,13 @@ def check_chain(
             f"{field}: a greedy request with {value} sampled {got}, expected {expected}"
             + (" (the field was ignored)" if got == plain and field != "plain" else "")
         )
-    probe_tokens = dict(zip([name for name, _ in probes], tokens[len(cases) :], strict=True))
+
+
+def _check_probes(
+    probe_tokens: dict[str, list[int]], acting: _Probe, base: torch.Tensor, top: list[int]
+) -> None:
+    """The configured processors' edits (``acting``'s) took effect, before ``min_tokens``'
+    mask, and they saw the logits with the request's own bias and penalties applied."""
     assert top[0] not in probe_tokens["probe-ban"], (
         f"logits_processors: a configured processor (SamplerParams.logits_processors) bans token "
         f"{top[0]} for a request, yet the sampler emitted it: {probe_tokens['probe-ban']}"
