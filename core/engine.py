@@ -1,4 +1,13 @@
-"""The engine core: one step = schedule, build the batch, execute, sample, account.
+"""The engine core: requests in, one step at a time, updates out.
+
+A step (:meth:`EngineCore.step`) reads schedule -> prepare -> execute -> sample -> process:
+the scheduler's plan (``brigade.scheduling``), the persistent batch's executor input
+(``brigade.persistent_batch``), the forward pass, the sampling stage
+(``brigade.sampling_stage``) and the step output processor (``brigade.step_output``), which
+owns what becomes of the sampled tokens. Speculative decoding plugs in as one object
+(``brigade.speculative.Speculation``, None when off) and embeddings through the pooler
+(``brigade.pooling``). This module owns the requests' lifecycle: admission, queueing, rows,
+failures and departures.
 
 Token ids in, token ids out; text, stop strings and HTTP live in the frontend (``LLM``, the
 server), outside the step loop.
@@ -38,22 +47,17 @@ from brigade.interfaces import (
     Request,
     RequestStatus,
     SamplingParams,
+    ScheduledRequest,
     SchedulerOutput,
     freeze_extra,
 )
 from brigade.persistent_batch import StepPlan
 from brigade.pooling import Pooler
 from brigade.registry import Registry
-from brigade.sampling_stage import DraftRows, SampledTokens, TokenLogprob
-from brigade.speculative import SpeculativeStats, Verified
-from brigade.step_tokens import (
-    accepted_plan,
-    asked,
-    held_back,
-    record_tokens,
-    verify_drafts,
-    without,
-)
+from brigade.sampling_stage import SampledTokens, TokenLogprob
+from brigade.speculative import SpeculativeStats
+from brigade.step_output import StepOutputProcessor, StepUpdate
+from brigade.step_tokens import without
 
 __all__ = ["EngineCore", "EngineStats", "StepUpdate", "TokenLogprob"]
 
@@ -88,26 +92,6 @@ class EngineStats:
         return (
             self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
         )
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class StepUpdate:
-    """What one step did for one request."""
-
-    request: Request
-    new_token_ids: list[int]
-    logprobs: list[TokenLogprob] | None
-    finished: bool
-    error: str | None = None
-    """Why the request ended without an answer: refused after it was queued (its grammar
-    failed to compile; ``invalid``) or failed on its own while it ran (a plugin raised for it,
-    its sampling distribution was undefined). Other requests are not affected."""
-    invalid: bool = False
-    """True when the request itself is at fault (it cannot succeed as sent)."""
-    error_param: str | None = None
-    """The request field an ``invalid`` error is about (``structured_output``), if known."""
-    embedding: list[float] | None = None
-    """An embedding request's vector, on its last update (``Request.pooling``)."""
 
 
 class _FatalStepError(Exception):
@@ -170,6 +154,8 @@ class EngineCore:
         """The latest forward pass's duration (how long a step may wait for late masks)."""
         self._queue_time_total = 0.0
         self._num_scheduled = 0
+        self.outputs = self._output_processor()
+        """What becomes of each step's sampled tokens (``brigade.step_output``)."""
         torch.manual_seed(config["model"].settings.seed)
         self.load_time_s = time.perf_counter() - started
         """Seconds from the start of construction until the engine could run (weights, KV)."""
@@ -202,6 +188,23 @@ class EngineCore:
         self.sampling = stations.sampling
         self.speculation = stations.speculation
         """Speculative decoding (``[speculative] plugin``); None when it is off."""
+
+    def _output_processor(self) -> StepOutputProcessor:
+        """The step output processor, over this engine's stations and requests."""
+        return StepOutputProcessor(
+            batch=self.batch,
+            sampling=self.sampling,
+            grammar=self.grammar,
+            scheduler=self.scheduler,
+            kv=self.kv,
+            speculation=self.speculation,
+            pooler=self.pooler,
+            max_model_len=self.max_model_len,
+            requests=self.requests,
+            fail=self._fail,
+            leave=self._leave,
+            take_pending=self._take_pending,
+        )
 
     def _load_draft_model(
         self, registry: Registry, served: ModelPath, path: str, **options: Any
@@ -414,6 +417,26 @@ class EngineCore:
             raise self._die(f"the engine step failed twice in a row: {reason}", cause) from cause
 
     def _step(self) -> list[StepUpdate]:
+        """schedule -> prepare -> execute -> sample -> process."""
+        output = self._schedule()
+        if output is None:
+            return self._take_pending()
+        plan = self.batch.prepare(output.scheduled, self.kv)
+        if self.grammar is not None and self.grammar.is_active:
+            self.grammar.settle(self._forward_s)  # quick masks finish before, not during, it
+        started = time.perf_counter()
+        result, hidden = self._execute(plan)
+        self._forward_s = time.perf_counter() - started
+        self.num_steps += 1
+        sampled = self._sample(result, plan)
+        try:  # tokens are being handed out: a retry would hand them out twice
+            return self.outputs.process(output, plan, sampled, hidden)
+        except Exception as exc:
+            raise _FatalStepError(f"recording the step's tokens failed: {describe(exc)}") from exc
+
+    def _schedule(self) -> SchedulerOutput | None:
+        """The step's plan, every request in it holding a batch row; None when nothing runs
+        (after a short wait when only grammars are compiling)."""
         if self._num_compiling():
             self._queue_compiled()
         if self.speculation is not None:
@@ -421,40 +444,43 @@ class EngineCore:
         output = self.scheduler.schedule()
         for request, exc in self.scheduler.take_refused():
             self._refuse_for_policy(request, exc)
-        for request in output.preempted:
-            request.draft_token_ids = []
+        self._preempt(output.preempted)
+        self._copy_swapped_pages(output)
+        refused = self._seat(output.scheduled)
+        if refused:
+            output = without(output, refused)
+        if not output.is_empty:
+            return output
+        if self.grammar is not None and not refused:  # only grammars compiling: no spin
+            self.grammar.wait(GRAMMAR_WAIT_S)
+        return None
+
+    def _preempt(self, preempted: Sequence[Request]) -> None:
+        """``preempted`` lost their pages: their drafts and batch rows go too."""
+        if self.speculation is not None:
+            self.speculation.retract(preempted)
+        for request in preempted:
             if request in self.batch:
                 self._release_row(request)
-        self._copy_swapped_pages(output)
+
+    def _seat(self, scheduled: Sequence[ScheduledRequest]) -> list[Request]:
+        """Give every scheduled request a batch row; fail and return those that cannot
+        have one."""
         refused = []
-        for item in output.scheduled:
+        for item in scheduled:
             if item.request not in self.batch:
                 error = self._take_row(item.request)
                 if error is not None:
                     self._fail(item.request, error)
                     refused.append(item.request)
-        if refused:
-            output = without(output, refused)
-        if output.is_empty:
-            if self.grammar is not None and not refused:  # only grammars compiling: no spin
-                self.grammar.wait(GRAMMAR_WAIT_S)
-            return self._take_pending()
-        plan = self.batch.prepare(output.scheduled, self.kv)
-        hidden: torch.Tensor | None = None
-        if self.grammar is not None and self.grammar.is_active:
-            self.grammar.settle(self._forward_s)  # quick masks finish before, not during, it
-        started = time.perf_counter()
+        return refused
+
+    def _execute(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The forward pass: the sampled rows' logits (or token ids), and the hidden states
+        of the pooled rows when the plan has any (else None)."""
         if plan.model_input.hidden_indices is not None:
-            result, hidden = self.executor.execute_with_hidden_states(plan.model_input)
-        else:
-            result = self.executor.execute(plan.model_input)
-        self._forward_s = time.perf_counter() - started
-        self.num_steps += 1
-        sampled = self._sample(result, plan, SAMPLING_PATIENCE_S)
-        try:  # tokens are being handed out: a retry would hand them out twice
-            return self._account(output, plan, sampled, hidden)
-        except Exception as exc:
-            raise _FatalStepError(f"recording the step's tokens failed: {describe(exc)}") from exc
+            return self.executor.execute_with_hidden_states(plan.model_input)
+        return self.executor.execute(plan.model_input), None
 
     def _refuse_for_policy(self, request: Request, exc: Exception) -> None:
         """The scheduling policy raised because of this waiting request: fail it alone (the
@@ -479,178 +505,20 @@ class EngineCore:
                         f"copying swapped KV pages failed: {describe(exc)}"
                     ) from exc
 
-    def _sample(self, result: torch.Tensor, plan: StepPlan, patience_s: float) -> SampledTokens:
+    def _sample(self, result: torch.Tensor, plan: StepPlan) -> SampledTokens:
+        """One token per logits row of the step (several per request verifying drafts)."""
         if not plan.sampled:
             return SampledTokens([], None, {})
         if self._executor_returns_token_ids:  # no logits: no processors, no sampler
             return SampledTokens(result.tolist(), None, {})
-        drafts: list[DraftRows] = []
-        if plan.draft_counts:
-            for request, row, count, offset in zip(
-                plan.sampled, plan.sampled_rows, plan.draft_counts, plan.logits_offsets, strict=True
-            ):
-                if count:
-                    drafts.append(DraftRows(request, row, offset, request.draft_token_ids[:count]))
         # Recomputing reruns the same forward pass, which rewrites the same KV entries.
         return self.sampling.sample(
             result,
             plan.logits_rows,
             lambda: self.executor.execute(plan.model_input),
-            drafts,
-            patience_s=patience_s,
+            () if self.speculation is None else self.speculation.draft_rows(plan),
+            patience_s=SAMPLING_PATIENCE_S,
         )
-
-    def _account(
-        self,
-        output: SchedulerOutput,
-        plan: StepPlan,
-        sampled: SampledTokens,
-        hidden: torch.Tensor | None,
-    ) -> list[StepUpdate]:
-        """Append the sampled tokens, pool the embeddings, finish requests, tell the scheduler
-        and the KV manager."""
-        requests, rows = plan.sampled, plan.sampled_rows
-        verified: list[Verified] | None = None
-        if plan.draft_counts:
-            tokens, logprobs, failures, verified = verify_drafts(plan, sampled)
-        else:
-            tokens = [[token] for token in sampled.token_ids]
-            logprobs = None if sampled.logprobs is None else [[lp] for lp in sampled.logprobs]
-            failures = sampled.failures
-        failed = {requests[index]: error for index, error in failures.items()}
-        invalid: set[Request] = set()
-        """Failed requests that caused their failure (their grammar overran its budget)."""
-        updates: list[StepUpdate] = []
-        finished: list[Request] = []
-        if plan.pooled:
-            self._pool(plan, hidden, updates, finished, failed)
-        late = self._skipped_requests(plan, sampled)
-        for request, error in self._grammar_ended():
-            late.add(request)
-            if error is None:  # its grammar ended with its previous token
-                request.status = RequestStatus.FINISHED_STOPPED
-                finished.append(request)
-                updates.append(StepUpdate(request, [], None, True))
-            else:
-                failed[request] = error
-                invalid.add(request)
-        if failed or late:  # rare: take the failed and skipped rows out of the step
-            keep = [
-                i
-                for i, request in enumerate(requests)
-                if i not in failures and request not in failed and request not in late
-            ]
-            requests = tuple(requests[i] for i in keep)
-            rows, tokens = [rows[i] for i in keep], [tokens[i] for i in keep]
-            logprobs = None if logprobs is None else [logprobs[i] for i in keep]
-            verified = None if verified is None else [verified[i] for i in keep]
-        if requests:
-            rejected, complete = record_tokens(
-                self.batch, self.sampling, self.grammar, requests, rows, tokens
-            )
-            for request, error in self._grammar_ended():  # failed accepting several tokens
-                if error is not None:
-                    rejected[requests.index(request)] = error
-                    invalid.add(request)
-            for index, (request, new) in enumerate(zip(requests, tokens, strict=True)):
-                if index in rejected:
-                    failed[request] = rejected[index]
-                    continue
-                complete_after = complete.get(index)
-                if complete_after is not None:
-                    new = new[:complete_after]
-                status = None
-                emitted = 0
-                for token in new:  # several with accepted drafts; a stop ends them
-                    request.output_token_ids.append(token)
-                    emitted += 1
-                    status = self._finish_status(request, token)
-                    if status is not None:
-                        break
-                if status is None and complete_after is not None:
-                    status = RequestStatus.FINISHED_STOPPED
-                if status is not None:
-                    request.status = status
-                    finished.append(request)
-                updates.append(
-                    StepUpdate(
-                        request,
-                        new if emitted == len(new) else new[:emitted],
-                        asked(logprobs[index][:emitted]) if logprobs is not None else None,
-                        status is not None,
-                    )
-                )
-        if verified is not None:
-            assert self.speculation is not None
-            output = accepted_plan(self.speculation, output, requests, verified, failed)
-        if late:
-            output = held_back(output, late)
-        for request, error in failed.items():
-            if request in invalid:
-                self._fail(request, error, invalid=True, param="structured_output")
-            else:
-                self._fail(request, error)
-        if failed:
-            output = without(output, failed)
-        self.scheduler.update(output, finished)
-        for item in output.scheduled:
-            self.kv.commit(item.request)
-        for request in finished:
-            self.kv.free(request)
-            self._leave(request)
-        pending = self._take_pending()
-        if not pending:
-            return updates
-        pending.extend(updates)
-        return pending
-
-    def _skipped_requests(self, plan: StepPlan, sampled: SampledTokens) -> set[Request]:
-        """The sampled requests whose logits row the sampling stage skipped (a late mask)."""
-        if not sampled.skipped:
-            return set()
-        return {
-            request
-            for request, offset in zip(plan.sampled, plan.logits_offsets, strict=True)
-            if offset in sampled.skipped
-        }
-
-    def _grammar_ended(self) -> list[tuple[Request, str | None]]:
-        """Requests whose grammar ended (None) or failed (why) since the last call, among
-        those still in the engine."""
-        if self.grammar is None:
-            return []
-        return [
-            (request, error)
-            for request, error in self.grammar.take_ended()
-            if self.requests.get(request.request_id) is request
-        ]
-
-    def _pool(
-        self,
-        plan: StepPlan,
-        hidden: torch.Tensor | None,
-        updates: list[StepUpdate],
-        finished: list[Request],
-        failed: dict[Request, str],
-    ) -> None:
-        """Hand each embedding request its hidden rows; finish those whose prompt ended."""
-        offset = 0
-        for chunk in plan.pooled:
-            rows = offset
-            offset += chunk.num_rows
-            request = chunk.request
-            error = self.pooler.check(chunk)
-            if error is not None:
-                failed[request] = error
-                continue
-            if not chunk.num_rows:
-                continue
-            assert hidden is not None  # the plan had hidden rows
-            vector = self.pooler.add(chunk, hidden[rows : rows + chunk.num_rows])
-            if vector is not None:
-                request.status = RequestStatus.FINISHED_STOPPED
-                finished.append(request)
-                updates.append(StepUpdate(request, [], None, True, embedding=vector))
 
     def _queue_compiled(self) -> None:
         """Queue the requests whose grammar is compiled; refuse those whose is invalid."""
@@ -701,19 +569,6 @@ class EngineCore:
         self.dead = reason
         logger.critical("the engine is dead: %s", reason, exc_info=cause)
         return EngineDeadError(reason)
-
-    def _finish_status(self, request: Request, token: int) -> RequestStatus | None:
-        params = request.sampling_params
-        if request.num_output_tokens > params.min_tokens:  # min_tokens: no stop before
-            if token in params.stop_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if not params.ignore_eos and token in request.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if request.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     def _take_row(self, request: Request) -> str | None:
         """Give ``request`` a batch row; the reason when it cannot have one."""

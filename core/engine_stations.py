@@ -73,7 +73,7 @@ def build_stations(
 ) -> Stations:
     """Everything around the loaded model. ``load_model`` is ``ProposerParams.load_model``."""
     executor, checkpoint = model.executor, model.checkpoint
-    spec = executor.kv_cache_spec()
+    vocab_size = executor.kv_cache_spec().vocab_size
     settings = config["scheduler"].settings
     # A sequence never outgrows the pool, so a request alone always fits.
     max_model_len = min(model.max_model_len, model.num_pages * model.page_size)
@@ -83,6 +83,48 @@ def build_stations(
             f"max_num_batched_tokens ({settings.max_num_batched_tokens}) must be at least "
             f"max_model_len ({max_model_len})"
         )
+    kv, scheduler = _scheduler(config, registry, model, max_model_len, clock)
+    device = torch.device(executor.device)
+    stages = _logits_stages(config, registry, model, device, vocab_size)
+    batch = PersistentBatch(
+        settings.max_num_seqs, max_model_len, model.page_size, settings.max_num_batched_tokens
+    )
+    return Stations(
+        vocab_size=vocab_size,
+        eos_token_ids=checkpoint.eos_token_ids,
+        sampling_defaults=(
+            dict(checkpoint.sampling_defaults())
+            if config["model"].settings.generation_config == "auto"
+            else {}
+        ),
+        max_model_len=max_model_len,
+        kv=kv,
+        scheduler=scheduler,
+        device=device,
+        sampler_name=stages.sampler_name,
+        sampler=stages.sampler,
+        returns_token_ids=stages.returns_token_ids,
+        processors=stages.processors,
+        grammar=stages.grammar,
+        batch=batch,
+        sampling=SamplingStage(
+            stages.sampler, stages.sampler_name, stages.processors, batch, device, vocab_size
+        ),
+        speculation=_speculation(
+            config, registry, checkpoint, vocab_size, max_model_len, stages.processors, load_model
+        ),
+    )
+
+
+def _scheduler(
+    config: EngineConfig,
+    registry: Registry,
+    model: ModelPath,
+    max_model_len: int,
+    clock: Callable[[], float],
+) -> tuple[KVManager, BatchScheduler]:
+    """The KV manager and the scheduler over it, with its policy (``[scheduler] plugin``)."""
+    settings = config["scheduler"].settings
     kv_settings = config["kv"].settings
     kv: KVManager = registry.get("kv", config.plugin("kv")).factory(
         KVPoolParams(model.num_pages, model.page_size, kv_settings.enable_prefix_caching),
@@ -108,64 +150,63 @@ def build_stations(
             else 0
         ),
     )
-    device = torch.device(executor.device)
+    return kv, scheduler
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _LogitsStages:
+    """The sampler and the logits processors before it (the grammar station last)."""
+
+    sampler_name: str
+    sampler: Sampler
+    returns_token_ids: bool
+    processors: list[LogitsProcessor]
+    grammar: GrammarManager | None
+
+
+def _logits_stages(
+    config: EngineConfig,
+    registry: Registry,
+    model: ModelPath,
+    device: torch.device,
+    vocab_size: int,
+) -> _LogitsStages:
+    """The sampler, its logits processors and the grammar station (none of these last two
+    when the executor returns token ids)."""
+    checkpoint = model.checkpoint
+    max_num_seqs = config["scheduler"].settings.max_num_seqs
     eos = tuple(sorted(checkpoint.eos_token_ids))
     sampler_name = config.plugin("sampler")
     sampler = build_sampler(
         config,
         registry,
         SamplerParams(
-            settings.max_num_seqs,
-            spec.vocab_size,
+            max_num_seqs,
+            vocab_size,
             str(device),
             model_dir=checkpoint.path,
             eos_token_ids=eos,
             checkpoint=checkpoint,
         ),
     )
-    returns_token_ids = type(executor).returns_token_ids
-    processors = [] if returns_token_ids else list(sampler.logits_processors())
-    grammar: GrammarManager | None = None
-    if not returns_token_ids:
-        grammar = build_grammar(
-            config,
-            registry,
-            GrammarParams(
-                spec.vocab_size,
-                eos,
-                str(device),
-                checkpoint=checkpoint,
-                mask_budget_s=config["grammar"].settings.mask_budget_ms / 1000,
-            ),
-            settings.max_num_seqs,
-        )
-        processors.append(grammar)  # last: nothing re-enables what it masks
-    batch = PersistentBatch(
-        settings.max_num_seqs, max_model_len, model.page_size, settings.max_num_batched_tokens
-    )
-    return Stations(
-        vocab_size=spec.vocab_size,
-        eos_token_ids=checkpoint.eos_token_ids,
-        sampling_defaults=(
-            dict(checkpoint.sampling_defaults())
-            if config["model"].settings.generation_config == "auto"
-            else {}
+    returns_token_ids = type(model.executor).returns_token_ids
+    if returns_token_ids:
+        return _LogitsStages(sampler_name, sampler, True, [], None)
+    processors = list(sampler.logits_processors())
+    grammar = build_grammar(
+        config,
+        registry,
+        GrammarParams(
+            vocab_size,
+            eos,
+            str(device),
+            checkpoint=checkpoint,
+            mask_budget_s=config["grammar"].settings.mask_budget_ms / 1000,
         ),
-        max_model_len=max_model_len,
-        kv=kv,
-        scheduler=scheduler,
-        device=device,
-        sampler_name=sampler_name,
-        sampler=sampler,
-        returns_token_ids=returns_token_ids,
-        processors=processors,
-        grammar=grammar,
-        batch=batch,
-        sampling=SamplingStage(sampler, sampler_name, processors, batch, device, spec.vocab_size),
-        speculation=_speculation(
-            config, registry, checkpoint, spec.vocab_size, max_model_len, processors, load_model
-        ),
+        max_num_seqs,
     )
+    processors.append(grammar)  # last: nothing re-enables what it masks
+    return _LogitsStages(sampler_name, sampler, False, processors, grammar)
 
 
 def _speculation(

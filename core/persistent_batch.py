@@ -5,6 +5,12 @@ row. A step writes only what changed (joins, leaves, new tokens, new pages) and 
 executor's :class:`ModelInput` and the sampler's :class:`SamplingBatch` with a few
 vectorised gathers, so per-step Python work is proportional to the scheduled requests, not to
 the tokens they hold.
+
+Each request is laid out by its kind: a generating request is a chunk whose last token's
+logits are sampled, an embedding request a chunk whose hidden states are pooled
+(``brigade.pooling``), and a request verifying drafts one decode row per token, every one
+sampled (``brigade.speculative``). The :class:`StepPlan` says which logits and hidden rows
+belong to whom.
 """
 
 from __future__ import annotations
@@ -21,22 +27,9 @@ from brigade.interfaces import (
     SamplingBatch,
     ScheduledRequest,
 )
+from brigade.pooling import PooledChunk
 
 __all__ = ["PersistentBatch", "PooledChunk", "StepPlan"]
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class PooledChunk:
-    """An embedding request's part of a step: which hidden-state rows are its."""
-
-    request: Request
-    num_rows: int
-    """Its rows of the step's hidden states, consecutive, in ``StepPlan.pooled`` order: every
-    token of the chunk (mean pooling) or the prompt's last token (last pooling, last chunk)."""
-    start: int
-    """Tokens computed before this chunk (0: the pooling starts afresh)."""
-    completes: bool
-    """The chunk ends the prompt: the vector can be made."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -136,90 +129,22 @@ class PersistentBatch:
 
     def prepare(self, scheduled: Sequence[ScheduledRequest], kv: KVManager) -> StepPlan:
         """Build the step's ModelInput: decode rows first (the layout every attention backend
-        expects), each group in the scheduler's order; a request verifying drafts has one
-        decode row per token (see :meth:`_add_drafts`)."""
-        rows: list[int] = []
-        computed: list[int] = []
-        counts: list[int] = []
-        sampled: list[Request] = []
-        sampled_rows: list[int] = []
-        logits_rows: list[int] = []
-        pooled: list[PooledChunk] = []
-        hidden_rows: list[int] = []
-        draft_counts: list[int] = []
-        num_decodes, token_offset = 0, 0
-        for item in sorted(scheduled, key=_prefill_last):
-            request, num_new, num_drafts = item.request, item.num_new_tokens, item.num_draft_tokens
-            row = self.rows[request.request_id]
-            self._sync_pages(row, kv.block_table(request))
-            if num_drafts:
-                self._add_drafts(item, row, rows, computed, counts)
-                num_decodes += 1 + num_drafts
-                token_offset += 1 + num_drafts
-                sampled.append(request)
-                sampled_rows.append(row)
-                draft_counts.append(num_drafts)
-                logits_rows.extend(range(token_offset - 1 - num_drafts, token_offset))
-                continue
-            rows.append(row)
-            computed.append(request.num_computed_tokens)
-            counts.append(num_new)
-            if item.is_decode:
-                num_decodes += 1
-            token_offset += num_new
-            completes = request.num_computed_tokens + num_new == request.num_tokens
-            if request.pooling is not None:
-                if request.pooling.needs_every_position:
-                    hidden_rows.extend(range(token_offset - num_new, token_offset))
-                elif completes:
-                    hidden_rows.append(token_offset - 1)
-                count = num_new if request.pooling.needs_every_position else int(completes)
-                pooled.append(PooledChunk(request, count, request.num_computed_tokens, completes))
-            elif completes:
-                sampled.append(request)
-                sampled_rows.append(row)
-                draft_counts.append(0)
-                logits_rows.append(token_offset - 1)
-        row_index = torch.tensor(rows, dtype=torch.int64)
-        num_computed = torch.tensor(computed, dtype=torch.int64)
-        query_lens = torch.tensor(counts, dtype=torch.int64)
-        seq_lens = num_computed + query_lens
-        query_start_loc = torch.zeros(len(rows) + 1, dtype=torch.int32)
-        torch.cumsum(query_lens, dim=0, out=query_start_loc[1:])
-        num_tokens = token_offset
-        # positions: for each token, its row's computed count plus its offset in the chunk
-        token_rows = torch.repeat_interleave(torch.arange(len(rows)), query_lens)  # [T]
-        starts = query_start_loc[:-1].to(torch.int64)
-        positions = self._arange[:num_tokens] - (starts - num_computed)[token_rows]  # [T]
-        persistent_rows = row_index[token_rows]  # [T]
-        input_ids = self.token_ids[persistent_rows, positions]  # [T]
-        max_pages = int(-(-int(seq_lens.max()) // self.page_size))
-        block_tables = self.block_tables[row_index, :max_pages]  # [B, P]
-        pages = block_tables[token_rows, positions // self.page_size].to(torch.int64)  # [T]
-        slot_mapping = pages * self.page_size + positions % self.page_size  # [T]
-        seq_lens_i32 = seq_lens.to(torch.int32)
-        model_input = ModelInput(
-            input_ids=input_ids,
-            positions=positions,
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens_i32,
-            block_tables=block_tables,
-            slot_mapping=slot_mapping,
-            logits_indices=torch.tensor(logits_rows, dtype=torch.int64),
-            query_start_loc_cpu=query_start_loc,
-            seq_lens_cpu=seq_lens_i32,
-            num_decodes=num_decodes,
-            max_query_len=int(query_lens.max()),
-            max_seq_len=int(seq_lens.max()),
-            page_size=self.page_size,
-            hidden_indices=torch.tensor(hidden_rows, dtype=torch.int64) if hidden_rows else None,
-        )
+        expects), each group in the scheduler's order. Each request is laid out by its kind:
+        one that generates (:meth:`_prepare_sampled`), an embedding request
+        (:meth:`_prepare_pooled`) or one verifying drafts (:meth:`_prepare_drafting`)."""
+        decodes: list[ScheduledRequest] = []
+        prefills: list[ScheduledRequest] = []
+        for item in scheduled:
+            (decodes if item.is_decode else prefills).append(item)
+        layout = _Layout()
+        self._lay_out(decodes, True, kv, layout)
+        self._lay_out(prefills, False, kv, layout)
         return StepPlan(
-            model_input,
-            tuple(sampled),
-            sampled_rows,
-            tuple(pooled),
-            tuple(draft_counts) if any(draft_counts) else (),
+            self._model_input(layout),
+            tuple(layout.sampled),
+            layout.sampled_rows,
+            tuple(layout.pooled),
+            layout.draft_counts(),
         )
 
     def sampling_batch(self, rows: list[int], device: torch.device) -> SamplingBatch:
@@ -247,26 +172,120 @@ class PersistentBatch:
             max_num_logprobs=None if max_logprobs < 0 else max_logprobs,
         )
 
-    def _add_drafts(
+    def _lay_out(
         self,
-        item: ScheduledRequest,
-        row: int,
-        rows: list[int],
-        computed: list[int],
-        counts: list[int],
+        items: list[ScheduledRequest],
+        is_decode: bool,
+        kv: KVManager,
+        layout: _Layout,
     ) -> None:
+        """Add ``items`` (all decodes, or all prefill chunks) to ``layout`` in order, each
+        request by its kind."""
+        for item in items:
+            request = item.request
+            row = self.rows[request.request_id]
+            self._sync_pages(row, kv.block_table(request))
+            if item.num_draft_tokens:
+                self._prepare_drafting(item, row, layout)
+            elif request.pooling is not None:
+                self._prepare_pooled(item, row, is_decode, layout)
+            else:
+                self._prepare_sampled(item, row, is_decode, layout)
+
+    def _prepare_sampled(
+        self, item: ScheduledRequest, row: int, is_decode: bool, layout: _Layout
+    ) -> None:
+        """A generating request's chunk; its last row's logits are sampled when the chunk
+        reaches the request's last known token."""
+        request, num_new = item.request, item.num_new_tokens
+        computed = request.num_computed_tokens
+        # layout.add_chunk, inlined: this runs for nearly every row of every step
+        layout.rows.append(row)
+        layout.computed.append(computed)
+        layout.counts.append(num_new)
+        layout.num_decodes += is_decode
+        layout.num_tokens += num_new
+        if computed + num_new == request.num_tokens:
+            layout.sampled.append(request)
+            layout.sampled_rows.append(row)
+            layout.logits_rows.append(layout.num_tokens - 1)
+
+    def _prepare_pooled(
+        self, item: ScheduledRequest, row: int, is_decode: bool, layout: _Layout
+    ) -> None:
+        """An embedding request's chunk: it samples nothing; the executor returns the hidden
+        states of its rows the pooler needs (every row for mean pooling, the prompt's last
+        for last pooling)."""
+        request, num_new = item.request, item.num_new_tokens
+        assert request.pooling is not None
+        computed = request.num_computed_tokens
+        layout.add_chunk(row, computed, num_new, is_decode)
+        completes = computed + num_new == request.num_tokens
+        if request.pooling.needs_every_position:
+            layout.hidden_rows.extend(range(layout.num_tokens - num_new, layout.num_tokens))
+            num_rows = num_new
+        else:
+            if completes:
+                layout.hidden_rows.append(layout.num_tokens - 1)
+            num_rows = int(completes)
+        layout.pooled.append(PooledChunk(request, num_rows, computed, completes))
+
+    def _prepare_drafting(self, item: ScheduledRequest, row: int, layout: _Layout) -> None:
         """Lay out a request verifying drafts as one decode row per token (its last one, then
         each draft), each seeing the tokens before it: every backend writes a step's K/V
         before it attends, so a verification is a pure decode step (fused CPU decode, CUDA
-        graphs), and rows that share a context read it once (cascade decode)."""
+        graphs), and rows that share a context read it once (cascade decode). Every row's
+        logits are sampled (``StepPlan.draft_counts``)."""
         request, num_drafts = item.request, item.num_draft_tokens
         start = request.num_tokens  # the drafts' ids go where they would be if accepted
         drafts = request.draft_token_ids[:num_drafts]
         self.token_ids[row, start : start + num_drafts] = torch.tensor(drafts, dtype=torch.int64)
+        first = layout.num_tokens
         for offset in range(1 + num_drafts):
-            rows.append(row)
-            computed.append(request.num_computed_tokens + offset)
-            counts.append(1)
+            layout.add_chunk(row, request.num_computed_tokens + offset, 1, True)
+        layout.drafts[len(layout.sampled)] = num_drafts
+        layout.sampled.append(request)
+        layout.sampled_rows.append(row)
+        layout.logits_rows.extend(range(first, layout.num_tokens))
+
+    def _model_input(self, layout: _Layout) -> ModelInput:
+        """The executor's tensors for ``layout``: a few vectorised gathers from the
+        persistent buffers."""
+        row_index = torch.tensor(layout.rows, dtype=torch.int64)
+        num_computed = torch.tensor(layout.computed, dtype=torch.int64)
+        query_lens = torch.tensor(layout.counts, dtype=torch.int64)
+        seq_lens = num_computed + query_lens
+        query_start_loc = torch.zeros(len(layout.rows) + 1, dtype=torch.int32)
+        torch.cumsum(query_lens, dim=0, out=query_start_loc[1:])
+        num_tokens = layout.num_tokens
+        # positions: for each token, its row's computed count plus its offset in the chunk
+        token_rows = torch.repeat_interleave(torch.arange(len(layout.rows)), query_lens)  # [T]
+        starts = query_start_loc[:-1].to(torch.int64)
+        positions = self._arange[:num_tokens] - (starts - num_computed)[token_rows]  # [T]
+        persistent_rows = row_index[token_rows]  # [T]
+        input_ids = self.token_ids[persistent_rows, positions]  # [T]
+        max_pages = int(-(-int(seq_lens.max()) // self.page_size))
+        block_tables = self.block_tables[row_index, :max_pages]  # [B, P]
+        pages = block_tables[token_rows, positions // self.page_size].to(torch.int64)  # [T]
+        slot_mapping = pages * self.page_size + positions % self.page_size  # [T]
+        seq_lens_i32 = seq_lens.to(torch.int32)
+        hidden_rows = layout.hidden_rows
+        return ModelInput(
+            input_ids=input_ids,
+            positions=positions,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens_i32,
+            block_tables=block_tables,
+            slot_mapping=slot_mapping,
+            logits_indices=torch.tensor(layout.logits_rows, dtype=torch.int64),
+            query_start_loc_cpu=query_start_loc,
+            seq_lens_cpu=seq_lens_i32,
+            num_decodes=layout.num_decodes,
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+            page_size=self.page_size,
+            hidden_indices=torch.tensor(hidden_rows, dtype=torch.int64) if hidden_rows else None,
+        )
 
     def _sync_pages(self, row: int, block_table: Sequence[int]) -> None:
         known = self.num_pages[row]
@@ -276,5 +295,52 @@ class PersistentBatch:
             self.num_pages[row] = len(block_table)
 
 
-def _prefill_last(item: ScheduledRequest) -> bool:
-    return not item.is_decode
+class _Layout:
+    """A step's rows as :meth:`PersistentBatch.prepare` lays them out, before they become
+    tensors."""
+
+    __slots__ = (
+        "computed",
+        "counts",
+        "drafts",
+        "hidden_rows",
+        "logits_rows",
+        "num_decodes",
+        "num_tokens",
+        "pooled",
+        "rows",
+        "sampled",
+        "sampled_rows",
+    )
+
+    def __init__(self) -> None:
+        self.rows: list[int] = []
+        """The persistent row of each query row (a chunk, or one token of a drafting one)."""
+        self.computed: list[int] = []
+        """Tokens of its request computed before each query row."""
+        self.counts: list[int] = []
+        """Tokens in each query row."""
+        self.num_decodes = 0
+        self.num_tokens = 0
+        self.sampled: list[Request] = []
+        self.sampled_rows: list[int] = []
+        self.logits_rows: list[int] = []
+        """The token rows whose logits are sampled, in ``sampled`` order."""
+        self.drafts: dict[int, int] = {}
+        """Index in ``sampled`` of each request verifying drafts -> its drafts."""
+        self.pooled: list[PooledChunk] = []
+        self.hidden_rows: list[int] = []
+
+    def add_chunk(self, row: int, computed: int, count: int, is_decode: bool) -> None:
+        """A query row of ``count`` tokens after ``computed`` ones, from persistent ``row``."""
+        self.rows.append(row)
+        self.computed.append(computed)
+        self.counts.append(count)
+        self.num_decodes += is_decode
+        self.num_tokens += count
+
+    def draft_counts(self) -> tuple[int, ...]:
+        """``StepPlan.draft_counts``: empty when no request verifies drafts."""
+        if not self.drafts:
+            return ()
+        return tuple(self.drafts.get(index, 0) for index in range(len(self.sampled)))

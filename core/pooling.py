@@ -1,19 +1,45 @@
 """Embeddings: pooling an embedding request's final hidden states into its vector.
 
 An embedding request (``Request.pooling``) runs its prompt through the engine like any
-prefill, chunked and batched with generation; it samples nothing. Each step hands the pooler
-the hidden-state rows the executor returned for it; the chunk that ends the prompt makes the
-vector and the request finishes.
+prefill, chunked and batched with generation; it samples nothing. The persistent batch lays
+out its chunk as a :class:`PooledChunk` (``PersistentBatch.prepare``), the executor returns
+the chunk's hidden-state rows, and :meth:`Pooler.collect` hands each request its rows: the
+chunk that ends the prompt makes the vector and the request finishes.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from brigade.interfaces import Request
-from brigade.persistent_batch import PooledChunk
 
-__all__ = ["Pooler"]
+__all__ = ["Pooled", "PooledChunk", "Pooler"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PooledChunk:
+    """An embedding request's part of a step: which hidden-state rows are its."""
+
+    request: Request
+    num_rows: int
+    """Its rows of the step's hidden states, consecutive, in ``StepPlan.pooled`` order: every
+    token of the chunk (mean pooling) or the prompt's last token (last pooling, last chunk)."""
+    start: int
+    """Tokens computed before this chunk (0: the pooling starts afresh)."""
+    completes: bool
+    """The chunk ends the prompt: the vector can be made."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Pooled:
+    """What one step's hidden states made of its embedding requests."""
+
+    vectors: list[tuple[Request, list[float]]]
+    """The requests whose prompt ended, each with its vector (they are finished)."""
+    failures: dict[Request, str]
+    """The requests that cannot be pooled -> why (they fail alone)."""
 
 
 class Pooler:
@@ -21,6 +47,26 @@ class Pooler:
 
     def __init__(self) -> None:
         self._sums: dict[str, torch.Tensor] = {}
+
+    def collect(self, chunks: tuple[PooledChunk, ...], hidden: torch.Tensor | None) -> Pooled:
+        """Hand each chunk its rows of ``hidden`` ``[sum of num_rows, hidden_size]`` (the
+        step's hidden states, in ``chunks`` order)."""
+        pooled = Pooled([], {})
+        offset = 0
+        for chunk in chunks:
+            rows = offset
+            offset += chunk.num_rows
+            error = self.check(chunk)
+            if error is not None:
+                pooled.failures[chunk.request] = error
+                continue
+            if not chunk.num_rows:
+                continue
+            assert hidden is not None  # the plan had hidden rows
+            vector = self.add(chunk, hidden[rows : rows + chunk.num_rows])
+            if vector is not None:
+                pooled.vectors.append((chunk.request, vector))
+        return pooled
 
     def add(self, chunk: PooledChunk, hidden: torch.Tensor) -> list[float] | None:
         """Take ``chunk``'s rows ``hidden`` ``[num_rows, hidden_size]`` (float32); return the

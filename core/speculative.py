@@ -1,14 +1,23 @@
-"""Core's side of speculative decoding: drafts from the proposer, verification, the rules.
+"""Core's side of speculative decoding: one :class:`Speculation` object the engine step calls
+at declared points, and absent (None) when ``[speculative] plugin`` is unset.
 
-Before a step is scheduled, :meth:`Speculation.propose` asks the proposer for drafts of the
-running requests whose next token is a decode and stores them on the requests
-(``request.draft_token_ids``); the scheduler budgets them, the KV manager reserves their pages,
-the persistent batch asks the executor for logits at each of their positions, and the
-sampling stage samples every position with the request's own parameters. :func:`verify` then
-accepts drafts left to right while the sampled token equals the draft and emits the first
-token that differs (or the one after the last draft): every emitted token is a sample of the
-target model given the tokens before it, so the output distribution is the non-speculating
-engine's at any temperature, and greedy output is identical (see docs/speculative.md).
+Its hooks, in step order:
+
+- :meth:`Speculation.propose` (before scheduling) asks the proposer for drafts of the running
+  requests whose next token is a decode and stores them on the requests
+  (``request.draft_token_ids``); the scheduler budgets them and the KV manager reserves their
+  pages. :meth:`Speculation.retract` takes them back from requests preempted in the plan.
+- The persistent batch lays a drafting request out as one decode row per token
+  (``PersistentBatch.prepare``); :meth:`Speculation.draft_rows` names those rows for the
+  sampling stage, which samples every position with the request's own parameters.
+- :meth:`Speculation.verify` (after sampling) accepts drafts left to right while the sampled
+  token equals the draft and emits the first token that differs (or the one after the last
+  draft): every emitted token is a sample of the target model given the tokens before it, so
+  the output distribution is the non-speculating engine's at any temperature, and greedy
+  output is identical (see docs/speculative.md).
+- :meth:`Speculation.accepted` (before the scheduler's update) counts each verification and
+  trims the scheduler's plan to the drafts that were accepted.
+- :meth:`Speculation.remove` forgets a request that left the engine.
 
 Rules (docs/speculative.md): a step carries at most ``max_tokens_per_step`` tokens with its
 drafts (up to there a CPU step costs about what a one-token step does: the weights are read
@@ -28,14 +37,25 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from brigade.errors import describe
-from brigade.interfaces import DraftSlot, LogitsProcessor, Proposer, Request, RequestStatus
-from brigade.sampling_stage import supports_rollback
+from brigade.interfaces import (
+    DraftSlot,
+    LogitsProcessor,
+    Proposer,
+    Request,
+    RequestStatus,
+    SchedulerOutput,
+)
+from brigade.sampling_stage import DraftRows, SampledTokens, TokenLogprob, supports_rollback
 from brigade.stations import SpeculativeSettings
 
-__all__ = ["Speculation", "SpeculativeStats", "Verified", "verify"]
+if TYPE_CHECKING:
+    from brigade.persistent_batch import StepPlan
+
+__all__ = ["Speculation", "SpeculativeStats", "Verified", "VerifiedStep", "verify"]
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +127,20 @@ class Verified:
     """The tokens it emits: its accepted drafts, then the token sampled after them."""
     num_drafts: int
     num_accepted: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class VerifiedStep:
+    """What verification made of a step with drafts, per sampled request of its plan
+    (``StepPlan.sampled`` order)."""
+
+    token_ids: list[list[int]]
+    """The tokens each request emits (accepted drafts, then the next sampled one)."""
+    logprobs: list[list[TokenLogprob | None]] | None
+    """Their logprobs, when any row asked for them."""
+    failures: dict[int, str]
+    """Index of a request whose emitted position failed -> why."""
+    verdicts: list[Verified]
 
 
 def verify(samples: Sequence[int], drafts: Sequence[int]) -> Verified:
@@ -202,6 +236,74 @@ class Speculation:
             if tokens:
                 slot.request.draft_token_ids = tokens[:budget]
                 budget -= len(slot.request.draft_token_ids)
+
+    def retract(self, preempted: Sequence[Request]) -> None:
+        """``preempted`` lost their pages in this step's plan: and their drafts with them."""
+        for request in preempted:
+            request.draft_token_ids = []
+
+    def draft_rows(self, plan: StepPlan) -> list[DraftRows]:
+        """The requests of ``plan`` verifying drafts, as the sampling stage walks them
+        through their draft positions (none in most steps)."""
+        if not plan.draft_counts:
+            return []
+        return [
+            DraftRows(request, row, offset, request.draft_token_ids[:count])
+            for request, row, count, offset in zip(
+                plan.sampled, plan.sampled_rows, plan.draft_counts, plan.logits_offsets, strict=True
+            )
+            if count
+        ]
+
+    def verify(self, plan: StepPlan, sampled: SampledTokens) -> VerifiedStep | None:
+        """Each sampled request's verdict on its drafts and the tokens it emits; None when
+        ``plan`` has no drafts (every request emits its one sampled token)."""
+        if not plan.draft_counts:
+            return None
+        step = VerifiedStep([], None if sampled.logprobs is None else [], {}, [])
+        for index, (request, num_drafts, offset) in enumerate(
+            zip(plan.sampled, plan.draft_counts, plan.logits_offsets, strict=True)
+        ):
+            samples = sampled.token_ids[offset : offset + 1 + num_drafts]
+            checked = request.draft_token_ids[:num_drafts] if sampled.drafts_checked else []
+            verdict = verify(samples, checked)
+            last = offset + verdict.num_accepted  # a failed row never equals a draft
+            if last in sampled.failures:
+                step.failures[index] = sampled.failures[last]
+            step.token_ids.append(verdict.token_ids)
+            if step.logprobs is not None:
+                assert sampled.logprobs is not None
+                step.logprobs.append(sampled.logprobs[offset : last + 1])
+            step.verdicts.append(verdict)
+        return step
+
+    def accepted(
+        self,
+        output: SchedulerOutput,
+        requests: Sequence[Request],
+        verdicts: Sequence[Verified],
+        failed: Mapping[Request, str],
+    ) -> SchedulerOutput:
+        """Count the verifications of ``requests`` (the step's requests that got tokens, with
+        their ``verdicts``) but the ``failed`` ones; the step's plan with each speculating
+        request computing only its accepted drafts (the rest of its KV is rewritten by later
+        steps)."""
+        accepted: dict[int, int] = {}
+        for request, verdict in zip(requests, verdicts, strict=True):
+            if verdict.num_drafts and request not in failed:
+                self.observe(request, verdict)
+                accepted[id(request)] = verdict.num_accepted
+        scheduled = tuple(
+            dataclasses.replace(
+                item,
+                num_new_tokens=1 + accepted.get(id(item.request), 0),
+                num_draft_tokens=accepted.get(id(item.request), 0),
+            )
+            if item.num_draft_tokens
+            else item
+            for item in output.scheduled
+        )
+        return dataclasses.replace(output, scheduled=scheduled)
 
     def observe(self, request: Request, verified: Verified) -> None:
         """Count a verification and adapt the request's draft length."""

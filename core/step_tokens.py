@@ -1,51 +1,18 @@
-"""What a step's sampled tokens become, for ``EngineCore``: each speculating request's verdict
-on its drafts, the tokens written to the persistent batch and given to the logits processors,
-and the scheduler's plan trimmed to what the step really computed."""
+"""Helpers of ``StepOutputProcessor`` (``brigade.step_output``): the step's tokens written to
+the persistent batch and given to the logits processors, and the scheduler's plan trimmed to
+what the step really computed."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Sequence
 
 from brigade.grammar import GrammarManager
 from brigade.interfaces import Request, SchedulerOutput
-from brigade.persistent_batch import PersistentBatch, StepPlan
-from brigade.sampling_stage import SampledTokens, SamplingStage, TokenLogprob
-from brigade.speculative import Speculation, Verified, verify
+from brigade.persistent_batch import PersistentBatch
+from brigade.sampling_stage import SamplingStage, TokenLogprob
 
-__all__ = ["accepted_plan", "asked", "held_back", "record_tokens", "verify_drafts", "without"]
-
-
-def verify_drafts(
-    plan: StepPlan, sampled: SampledTokens
-) -> tuple[
-    list[list[int]],
-    list[list[TokenLogprob | None]] | None,
-    dict[int, str],
-    list[Verified],
-]:
-    """Per sampled request of a step with drafts: the tokens it emits (accepted drafts, then
-    the next sampled one), their logprobs, why it failed (its emitted position failed) and the
-    verdict."""
-    tokens: list[list[int]] = []
-    logprobs: list[list[TokenLogprob | None]] | None = None if sampled.logprobs is None else []
-    failures: dict[int, str] = {}
-    verified: list[Verified] = []
-    for index, (request, num_drafts, offset) in enumerate(
-        zip(plan.sampled, plan.draft_counts, plan.logits_offsets, strict=True)
-    ):
-        samples = sampled.token_ids[offset : offset + 1 + num_drafts]
-        checked = request.draft_token_ids[:num_drafts] if sampled.drafts_checked else []
-        verdict = verify(samples, checked)
-        last = offset + verdict.num_accepted  # a failed row never equals a draft
-        if last in sampled.failures:
-            failures[index] = sampled.failures[last]
-        tokens.append(verdict.token_ids)
-        if logprobs is not None:
-            assert sampled.logprobs is not None
-            logprobs.append(sampled.logprobs[offset : last + 1])
-        verified.append(verdict)
-    return tokens, logprobs, failures, verified
+__all__ = ["asked", "held_back", "record_tokens", "without"]
 
 
 def record_tokens(
@@ -95,34 +62,6 @@ def record_tokens(
             done = sampling.finished_rows(grammar)
             complete.update((i, position + 1) for i in indices if rows[i] in done)
     return rejected, complete
-
-
-def accepted_plan(
-    speculation: Speculation,
-    output: SchedulerOutput,
-    requests: Sequence[Request],
-    verified: list[Verified],
-    failed: Mapping[Request, str],
-) -> SchedulerOutput:
-    """Tell the speculation station what was accepted; the step's plan with each speculating
-    request computing only its accepted drafts (the rest of its KV is rewritten by later
-    steps)."""
-    accepted: dict[int, int] = {}
-    for request, verdict in zip(requests, verified, strict=True):
-        if verdict.num_drafts and request not in failed:
-            speculation.observe(request, verdict)
-            accepted[id(request)] = verdict.num_accepted
-    scheduled = tuple(
-        dataclasses.replace(
-            item,
-            num_new_tokens=1 + accepted.get(id(item.request), 0),
-            num_draft_tokens=accepted.get(id(item.request), 0),
-        )
-        if item.num_draft_tokens
-        else item
-        for item in output.scheduled
-    )
-    return dataclasses.replace(output, scheduled=scheduled)
 
 
 def asked(logprobs: list[TokenLogprob | None]) -> list[TokenLogprob] | None:
