@@ -3,14 +3,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-# The out-of-tree example plugin, installed the way a user installs a plugin, so that
-# tests/plugin_api/test_example_plugin.py runs it end to end (and its own tests) against this checkout.
+# The out-of-tree example plugins, installed the way a user installs a plugin, so that
+# tests/plugin_api/test_example_plugin.py runs them end to end (and their own tests) against this
+# checkout, and tests/plugin_api/test_conformance.py checks their components with the built-ins'.
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps \
-    --no-build-isolation -e examples/plugins/brigade-sjf
+    --no-build-isolation -e examples/plugins/brigade-sjf -e examples/plugins/brigade-example-stations
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/mypy
 (cd examples/plugins/brigade-sjf && ../../../.venv/bin/mypy)
+(cd examples/plugins/brigade-example-stations && ../../../.venv/bin/mypy)
 .venv/bin/python -m pytest "$@"
 # The API fuzzed from its own OpenAPI document, briefly (the full run: scripts/fuzz.sh).
 bash scripts/fuzz.sh --short

@@ -1,7 +1,7 @@
-"""The out-of-tree example plugin (examples/plugins/brigade-sjf), installed as a user would.
+"""The out-of-tree example plugins (examples/plugins/*), installed as a user would.
 
-CI installs it (scripts/test.sh); elsewhere these tests skip until it is installed with
-``pip install -e examples/plugins/brigade-sjf``.
+CI installs them (scripts/test.sh); elsewhere these tests skip until they are installed with
+``pip install -e examples/plugins/brigade-sjf`` (and ``.../brigade-example-stations``).
 """
 
 from __future__ import annotations
@@ -20,15 +20,27 @@ from brigade.models.create import create_model
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "plugins" / "brigade-sjf"
+STATIONS = ROOT / "examples" / "plugins" / "brigade-example-stations"
 
-try:
-    SJF_VERSION = importlib.metadata.version("brigade-sjf")
-except importlib.metadata.PackageNotFoundError:
-    SJF_VERSION = None
+
+def installed_version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+SJF_VERSION = installed_version("brigade-sjf")
+STATIONS_VERSION = installed_version("brigade-example-stations")
 
 needs_install = pytest.mark.skipif(
     SJF_VERSION is None,
     reason="the example plugin is not installed: pip install -e examples/plugins/brigade-sjf",
+)
+needs_stations = pytest.mark.skipif(
+    STATIONS_VERSION is None,
+    reason="the example stations are not installed: "
+    "pip install -e examples/plugins/brigade-example-stations",
 )
 
 
@@ -79,11 +91,66 @@ def test_selected_by_name_it_generates_for_a_batch(tmp_path: Path) -> None:
     assert llm.engine.kv.num_free_pages() == 24
 
 
-@needs_install
-def test_its_own_test_suite_passes() -> None:
+@needs_stations
+def test_brigade_plugins_lists_the_example_stations() -> None:
+    listing = subprocess.run(
+        [sys.executable, "-m", "brigade", "plugins", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    rows = {(row["kind"], row["name"]): row for row in json.loads(listing.stdout)}
+    for key in [
+        ("sampler", "plain-torch"),
+        ("logits_processor", "repeat-last-n"),
+        ("attention", "gather-sdpa"),
+    ]:
+        assert rows[key]["distribution"] == f"brigade-example-stations {STATIONS_VERSION}"
+    assert rows[("logits_processor", "repeat-last-n")]["options"] == {
+        "last_n": 64,
+        "penalty": 1.1,
+    }
+
+
+@needs_stations
+def test_the_example_stations_generate_together_as_the_built_ins_do(tmp_path: Path) -> None:
+    model_dir = create_model(tmp_path / "llama", "llama", overrides={"num_hidden_layers": 2})
+    base = [f"model.path={model_dir}", "kv.page_size=4", "kv.num_pages=64"]
+    swapped = LLM(
+        overrides=[
+            *base,
+            'sampler.plugin="plain-torch"',
+            'attention.plugin="gather-sdpa"',
+            'sampler.logits_processors=["repeat-last-n"]',
+            "sampler.logits_processor_options={repeat-last-n = {penalty = 1.0}}",
+        ]
+    )
+    assert type(swapped.engine.sampler).__name__ == "PlainTorchSampler"
+    prompts = [[(7 * i + j) % 200 + 3 for j in range(10 + 3 * i)] for i in range(4)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    # Penalty 1 leaves every request alone unless it asks: greedy tokens as the built-ins'.
+    expected = [o.outputs[0].token_ids for o in LLM(overrides=base).generate(prompts, params)]
+    assert [o.outputs[0].token_ids for o in swapped.generate(prompts, params)] == expected
+    # One request asks for the penalty through its extra: it alone never repeats a token.
+    extra = [{"repeat_last_n": 64, "repeat_penalty": 1e6}, {}, {}, {}]
+    outputs = swapped.generate(prompts, params, extra=extra)
+    penalised = outputs[0].outputs[0].token_ids
+    assert not set(penalised) & set(prompts[0])
+    assert len(set(penalised)) == len(penalised)
+    assert [o.outputs[0].token_ids for o in outputs[1:]] == expected[1:]
+
+
+@pytest.mark.parametrize(
+    "example",
+    [
+        pytest.param(EXAMPLE, marks=needs_install, id="brigade-sjf"),
+        pytest.param(STATIONS, marks=needs_stations, id="brigade-example-stations"),
+    ],
+)
+def test_its_own_test_suite_passes(example: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
-        cwd=EXAMPLE,
+        cwd=example,
         capture_output=True,
         text=True,
         check=False,
