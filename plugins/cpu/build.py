@@ -8,22 +8,30 @@ layer of a step in one call (``cpu_fused.cpp``), the panel GEMM
 sampler's draw (``cpu_sample.cpp``), all in ``kernels/`` and all registered in
 ``torch.ops.brigade_cpu``.
 
-The build (a few seconds to a minute, once per machine and torch version) goes to
-``$BRIGADE_CACHE_DIR/extensions/<key>``, where the key covers the source, torch's version and
-the CPU's vector extensions (the code is compiled for this CPU: ``-march=native``, or the
-target named by ``$BRIGADE_CPU_MARCH``, e.g. ``x86-64-v3`` to run the AVX2 code paths on an
-AVX-512 machine). When it cannot be built (no C++ compiler, no ninja) the caller gets None and
-a warning is logged once; attention then takes its portable path.
+The build (a minute or more on two cores, once per machine, checkout and torch install;
+``brigade kernels build`` does it ahead of the first start) goes to
+``$BRIGADE_CACHE_DIR/extensions/cpu_paged-<key>``. The key covers the sources, torch's version,
+the compiler flags, the CPU's vector extensions and every path written into the build file (this
+checkout's ``kernels/``, torch's and Python's headers): torch's ``load`` compiles whatever its
+``build.ninja`` names, so two checkouts sharing one directory would each rewrite it with their
+own paths and rebuild everything after the other ran. The code is compiled for this CPU
+(``-march=native``) or for the target named by ``$BRIGADE_CPU_MARCH``, e.g. ``x86-64-v3`` to run
+the AVX2 code paths on an AVX-512 machine. When the kernels cannot be built (no C++ compiler, no
+ninja) the caller gets None and one warning says what to install; attention then takes its
+portable path.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import functools
 import hashlib
 import logging
 import os
+import shutil
+import sysconfig
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -35,32 +43,69 @@ import torch
 from brigade.cache import cache_root
 
 __all__ = [
+    "KernelBuildError",
+    "KernelCache",
     "amx_tiles_usable",
+    "build_kernels",
     "cpu_ops",
     "exclusive_build",
     "has_amx",
+    "kernel_cache",
     "kernels_take_head_dim",
     "paged_decode_kernel",
 ]
 
 logger = logging.getLogger(__name__)
 
-_KERNELS = Path(__file__).with_name("kernels")
+_NAME = "brigade_cpu_paged"
+_KERNELS = Path(__file__).resolve().with_name("kernels")
 _SOURCES = tuple(sorted(_KERNELS.glob("*.cpp")))
 _HEADERS = tuple(sorted(_KERNELS.glob("*.h")))
+_MARCH = os.environ.get("BRIGADE_CPU_MARCH") or "native"
 _CFLAGS = [
     "-O3",
-    f"-march={os.environ.get('BRIGADE_CPU_MARCH') or 'native'}",
+    f"-march={_MARCH}",
     "-fopenmp",
     "-fno-trapping-math",
     "-fno-math-errno",
 ]
 """As torch's own build: without the last two, GCC keeps the float clamps and exp of the
 kernels' loops scalar. The target is part of the cache key."""
+_INSTALL_HINT = (
+    "install a C++ compiler (g++, or clang++ with libomp) and ninja (pip install ninja), then "
+    "run `brigade kernels build`"
+)
 _LOCK = threading.Lock()
 
 
-def _cache_dir() -> Path:
+class KernelBuildError(RuntimeError):
+    """The CPU kernels cannot be built here; the message says why and what to install."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelCache:
+    """Where this host's build of the CPU kernels lives and what it targets."""
+
+    directory: Path
+    """``$BRIGADE_CACHE_DIR/extensions/cpu_paged-<key>``, this checkout's and CPU's own."""
+    march: str
+    """The compiler's ``-march``: ``native`` unless ``$BRIGADE_CPU_MARCH`` names one."""
+
+    @property
+    def library(self) -> Path:
+        """The shared library the build links."""
+        return self.directory / f"{_NAME}.so"
+
+    @property
+    def built(self) -> bool:
+        """Whether the library is there, so loading the kernels compiles nothing."""
+        return self.library.is_file()
+
+
+def kernel_cache() -> KernelCache:
+    """This host's kernel directory (built or not); reads the sources, builds nothing."""
+    from torch.utils.cpp_extension import include_paths
+
     flags = ""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
@@ -68,9 +113,16 @@ def _cache_dir() -> Path:
     except OSError:
         pass
     sources = b"".join(source.read_bytes() for source in (*_SOURCES, *_HEADERS))
-    build = " ".join([torch.__version__, *_CFLAGS, flags]).encode()
+    # Every path torch writes into build.ninja: another checkout or torch install gets its own
+    # directory instead of rewriting this one's build file (which rebuilds it all).
+    paths = [
+        *map(str, _SOURCES),
+        *include_paths("cpu"),
+        sysconfig.get_path("include", "posix_prefix") or "",
+    ]
+    build = "\n".join([torch.__version__, *_CFLAGS, flags, *paths]).encode()
     key = hashlib.sha256(sources + build).hexdigest()[:16]
-    return cache_root() / "extensions" / f"cpu_paged-{key}"
+    return KernelCache(cache_root() / "extensions" / f"cpu_paged-{key}", _MARCH)
 
 
 @contextlib.contextmanager
@@ -81,11 +133,18 @@ def exclusive_build(directory: Path) -> Iterator[None]:
     build killed midway (Ctrl-C during a first start) leaves it behind, and every later
     ``load`` of that directory waits for it forever, silently. Brigade's builds take an OS
     lock first, which dies with its process; whoever holds it is the only one building, so
-    a ``lock`` file found then is stale and removed.
+    a ``lock`` file found then is stale and removed. A process that has to wait for another's
+    build says so once.
     """
     directory.mkdir(parents=True, exist_ok=True)
     with open(directory / "brigade-build.lock", "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.warning(
+                "waiting for another process to finish building the CPU kernels in %s", directory
+            )
+            fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             stale = directory / "lock"
             if stale.exists():
@@ -96,40 +155,82 @@ def exclusive_build(directory: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def _missing_tools() -> list[str]:
+    """What torch's ``load`` needs and this host lacks: the C++ compiler (``$CXX``, else
+    ``c++``) and ninja, both looked up on ``PATH`` as ``load`` does."""
+    from torch.utils.cpp_extension import get_cxx_compiler, is_ninja_available
+
+    missing = []
+    if shutil.which(get_cxx_compiler()) is None:
+        missing.append(f"no C++ compiler: `{get_cxx_compiler()}` not found")
+    if not is_ninja_available():
+        missing.append("no ninja")
+    return missing
+
+
 def _build() -> Any:
     from torch.utils.cpp_extension import load
 
-    directory = _cache_dir()
-    started = time.perf_counter()
-    with exclusive_build(directory):
+    cache = kernel_cache()
+    # Checked before torch's load, which would log its own warnings and then fail in ninja.
+    missing = [] if cache.built else _missing_tools()
+    if missing:
+        raise KernelBuildError(", ".join(missing))
+    with exclusive_build(cache.directory):
+        if not cache.built:
+            logger.warning(
+                "building the CPU kernels for this host in %s (once; a minute or more; "
+                "`brigade kernels build` does it ahead of the first start)",
+                cache.directory,
+            )
         load(
-            name="brigade_cpu_paged",
+            name=_NAME,
             sources=[str(source) for source in _SOURCES],
-            build_directory=str(directory),
+            build_directory=str(cache.directory),
             extra_cflags=_CFLAGS,
             extra_ldflags=["-fopenmp"],
             is_python_module=False,  # registers torch.ops.brigade_cpu
             verbose=False,
         )
-    elapsed = time.perf_counter() - started
-    if elapsed > 2:
-        logger.info("built the CPU kernels in %.1f s (cached in %s)", elapsed, directory)
     return torch.ops.brigade_cpu
+
+
+def _failure(error: Exception) -> str:
+    lines = str(error).strip().splitlines()
+    reason = lines[-1] if lines else repr(error)
+    # With the tools there, the compiler's own output says what failed.
+    fix = (
+        _INSTALL_HINT if _missing_tools() else "`brigade kernels build` shows the compiler's output"
+    )
+    return f"the CPU kernels could not be built ({reason}); {fix}"
+
+
+def build_kernels() -> float:
+    """Build this host's CPU kernels (or load them, already built); the seconds it took.
+
+    Raises :class:`KernelBuildError` saying what failed and what to install."""
+    started = time.perf_counter()
+    with _LOCK:
+        try:
+            _build()
+        except Exception as error:  # no tools, or a compiler, ninja or linker failure
+            output = "" if isinstance(error, KernelBuildError) else f"\n{str(error).strip()}"
+            raise KernelBuildError(_failure(error) + output) from error
+    return time.perf_counter() - started
 
 
 @functools.cache
 def cpu_ops() -> Any:
     """The ``torch.ops.brigade_cpu`` namespace, or None when the kernels cannot be built here
-    (the reason is logged once; callers take their portable paths)."""
+    (one warning says why and what to install; callers take their portable paths)."""
     with _LOCK:
         try:
             return _build()
         except Exception as error:  # a compiler, ninja or linker failure: stay portable
-            lines = str(error).strip().splitlines()
             logger.warning(
-                "the CPU kernels could not be built (%s); decode attention gathers pages for "
-                "SDPA and a layer's small operations run unfused instead (slower)",
-                lines[-1] if lines else repr(error),
+                "%s; decode attention gathers pages for SDPA and a layer's small operations "
+                "run unfused instead (slower)",
+                _failure(error),
             )
             return None
 
