@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from brigade.plugins.cpu.build import cpu_ops
 from brigade.plugins.cpu import gemm as cpu_gemm
+from brigade.plugins.cpu.build import cpu_ops
 from brigade.plugins.cpu.gemm import pack_weight
 from brigade.plugins.cpu.memory import keep_freed_memory
 

@@ -129,7 +129,7 @@ def load_config(
     machine = machine_defaults(tables, registry)
     if taken := {s: p for s, p in machine.items() if "plugin" not in tables.get(s, {})}:
         logger.info(
-            "a CUDA GPU: %s (name a plugin to choose another)",
+            "this machine: %s (name a plugin to choose another)",
             ", ".join(f"[{station}] plugin = {plugin!r}" for station, plugin in taken.items()),
         )
     stations = {

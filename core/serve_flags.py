@@ -204,7 +204,7 @@ FLAGS: tuple[ServeFlag, ...] = (
         "--disable-cascade-attn",
         "attention.cascade_decode",
         "decode rows that share a cached prompt prefix each read its pages, instead of "
-        "scoring them together once (the sdpa backend's C++ decode kernel on a CPU)",
+        "scoring them together once (the cpu attention backend's C++ decode kernel)",
         arity="switch",
         parse=lambda _: False,
     ),

@@ -35,7 +35,18 @@ from brigade.interfaces.executor import Executor, ExecutorParams, KVCacheSpec
 from brigade.interfaces.grammar import GrammarBackend, GrammarMatcher, GrammarParams
 from brigade.interfaces.hookspecs import BrigadeHookSpec, ComponentRegistry, hookimpl
 from brigade.interfaces.kv import Allocation, KVManager, KVPoolParams, KVStats
-from brigade.interfaces.model import CausalLM, Checkpoint, ModelArchitecture, SplitCausalLM
+from brigade.interfaces.model import (
+    AcceptsLayerOps,
+    CausalLM,
+    Checkpoint,
+    DecoderLayerWeights,
+    DecoderWeights,
+    LayerOps,
+    LayerOpsProvider,
+    ModelArchitecture,
+    ProvidesDecoderWeights,
+    SplitCausalLM,
+)
 from brigade.interfaces.options import NoOptions, option
 from brigade.interfaces.proposer import (
     DraftModel,
@@ -71,7 +82,7 @@ from brigade.interfaces.sampling import (
 )
 from brigade.interfaces.scheduler import SchedulerParams, SchedulerView, SchedulingPolicy
 
-API_VERSION = "2.6"
+API_VERSION = "2.7"
 """The plugin API version, "MAJOR.MINOR". MINOR grows when contracts gain backwards-compatible
 additions (a new optional method, a new field with a default): a plugin built for 2.0 runs on
 2.1, one built for 2.1 is refused by 2.0. MAJOR grows on any change that can break an existing
@@ -116,8 +127,9 @@ PUBLIC_MODULES: tuple[str, ...] = (
 """What a plugin may import from Brigade (each with its submodules): the contracts, the
 conformance kit for its own tests, ``cache_root()`` for what it builds once (compiled kernels),
 and ``build_model_input``, the reference builder of a :class:`ModelInput` (warm-up steps,
-backend tests). Built-in plugins may also import each other (``brigade.plugins``); anything
-else a plugin needs, core hands it in the factory's params.
+backend tests). Built-in plugins may also use each other, a package (``brigade.plugins.<name>``)
+only through what its root exports; anything else a plugin needs, core hands it in the
+factory's params.
 ``tests/plugin_api/test_plugin_imports.py`` holds the built-ins and the example plugin to this."""
 
 __all__ = [
@@ -129,6 +141,7 @@ __all__ = [
     "PUBLIC_MODULES",
     "PoolingParams",
     "STRUCTURED_OUTPUT_KINDS",
+    "AcceptsLayerOps",
     "Allocation",
     "AttentionBackend",
     "AttentionLayer",
@@ -138,6 +151,8 @@ __all__ = [
     "Checkpoint",
     "ComponentRegistry",
     "ConfigError",
+    "DecoderLayerWeights",
+    "DecoderWeights",
     "Detokenizer",
     "DraftModel",
     "DraftSlot",
@@ -151,6 +166,8 @@ __all__ = [
     "KVManager",
     "KVPoolParams",
     "KVStats",
+    "LayerOps",
+    "LayerOpsProvider",
     "LogitsProcessor",
     "ModelArchitecture",
     "ModelInput",
@@ -160,6 +177,7 @@ __all__ = [
     "LoadModel",
     "Proposer",
     "ProposerParams",
+    "ProvidesDecoderWeights",
     "Request",
     "RequestError",
     "ReplicaLoad",

@@ -1,8 +1,17 @@
-"""Checkpoint and ModelArchitecture: a model's files, and the torch module that runs them."""
+"""Checkpoint and ModelArchitecture: a model's files, and the torch module that runs them.
+
+A built model (:class:`CausalLM`) may offer its executor capabilities, each a
+``runtime_checkable`` protocol the executor checks with ``isinstance``: a forward split at
+attention (:class:`SplitCausalLM`), fused small operations handed in (:class:`AcceptsLayerOps`
+taking :class:`LayerOps`) and its layers as data (:class:`ProvidesDecoderWeights`). A model
+imports no executor, attention backend or kernels of a device: what runs fused is the
+executor's choice.
+"""
 
 from __future__ import annotations
 
 import abc
+import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -11,7 +20,18 @@ if TYPE_CHECKING:
 
     from brigade.interfaces.attention import AttentionBackend, AttentionLayer
 
-__all__ = ["CausalLM", "Checkpoint", "ModelArchitecture", "SplitCausalLM"]
+__all__ = [
+    "AcceptsLayerOps",
+    "CausalLM",
+    "Checkpoint",
+    "DecoderLayerWeights",
+    "DecoderWeights",
+    "LayerOps",
+    "LayerOpsProvider",
+    "ModelArchitecture",
+    "ProvidesDecoderWeights",
+    "SplitCausalLM",
+]
 
 
 class Checkpoint(abc.ABC):
@@ -152,6 +172,120 @@ class SplitCausalLM(CausalLM, Protocol):
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         """[T, H] -> the hidden states ``compute_logits`` reads."""
+        ...
+
+
+class LayerOps(Protocol):
+    """A decoder layer's small operations between its GEMMs, as a backend runs them fused.
+
+    The executor knows the device's kernels (Brigade's C++ kernels on a CPU, Triton on a GPU);
+    a model that takes them (:class:`AcceptsLayerOps`) calls these instead of its torch
+    operations. Each returns new tensors and leaves its inputs as they were; rows ([T, ...])
+    may be strided views (the q/k/v or gate/up columns of a fused projection's output), the
+    last dimension contiguous. Arithmetic is float32 in transformers' order, rounded to the
+    activation dtype where transformers' torch operations round.
+    """
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x [T, size], weight [size] -> ``weight * x / sqrt(mean(x^2) + eps)`` [T, size]."""
+        ...
+
+    def add_rms_norm(
+        self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual add before a norm: x, delta [T, size] -> (``x + delta``, its
+        :meth:`rms_norm`), both [T, size]."""
+        ...
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [T, 2 * width] (gate, then up) -> ``silu(gate) * up`` [T, width]."""
+        ...
+
+    def rope(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary embedding (halves rotated, as Llama's): q [T, heads, head_dim], k [T,
+        kv_heads, head_dim], cos, sin [T, head_dim // 2] -> rotated (q, k), contiguous."""
+        ...
+
+    def gate_up_silu(self, linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``silu_mul(linear(x))``: a gate_up projection ([gate, up] halves) and the SiLU-mul
+        after it, x [T, in] -> [T, out // 2]. A backend may fuse the activation into the GEMM
+        (the CPU's gate_up projections packed in pairs compute it as they store the output)."""
+        ...
+
+
+LayerOpsProvider = Callable[["torch.Tensor"], "LayerOps | None"]
+"""What an executor hands a model (:meth:`AcceptsLayerOps.use_layer_ops`): for a tensor of
+the forward, the fused operations that take tensors like it (device, dtype), or None where the
+model's own torch operations run."""
+
+
+@runtime_checkable
+class AcceptsLayerOps(Protocol):
+    """The capability of a :class:`CausalLM` whose layers run their small operations through
+    :class:`LayerOps` when an executor hands it some (Brigade's decoder has it). An executor
+    checks for it with ``isinstance``; a model without it keeps its own operations."""
+
+    def use_layer_ops(self, provider: LayerOpsProvider | None) -> None:
+        """From now on ask ``provider`` for the operations of each eager forward's tensors
+        (None from it, or ``provider=None``: the model's torch operations). The model owns the
+        choice under ``torch.compile``: while compiling it runs its torch operations, which the
+        compiler fuses, and never calls the provider."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DecoderLayerWeights:
+    """One layer of a plain pre-norm decoder as data: ``h += o_proj(attention(rope(qkv_proj(
+    rms_norm(h)))))``, then ``h += down_proj(silu_mul(gate_up_proj(rms_norm(h))))``.
+
+    The modules are the model's own (an executor may have swapped them: the CPU's packed
+    GEMMs); whoever reads them only calls them or reads their weights. Shapes are this rank's.
+    """
+
+    input_norm: torch.Tensor
+    """[hidden_size] weight of the RMSNorm before attention."""
+    qkv_proj: torch.nn.Module
+    """[hidden_size] -> [(heads + 2 * kv_heads) * head_dim]: q, then k, then v."""
+    o_proj: torch.nn.Module
+    """[heads * head_dim] -> [hidden_size]."""
+    post_attention_norm: torch.Tensor
+    """[hidden_size] weight of the RMSNorm before the MLP."""
+    gate_up_proj: torch.nn.Module
+    """[hidden_size] -> [2 * intermediate_size]: gate, then up."""
+    down_proj: torch.nn.Module
+    """[intermediate_size] -> [hidden_size]."""
+    attention: AttentionLayer
+    """The layer's heads, head size, scale and sliding window."""
+    backend: AttentionBackend
+    """The attention backend the layer calls (writes K/V, attends)."""
+    qk_norm: bool
+    """Whether q and k are RMS-normed per head before RoPE (Qwen3): a step of this layer is
+    then not the plain shape above."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DecoderWeights:
+    """A decoder's layers as data (:class:`ProvidesDecoderWeights`), for an executor that runs
+    them its own way (the CPU's fused step: every layer of a step in one C++ call)."""
+
+    layers: tuple[DecoderLayerWeights, ...]
+    rms_norm_eps: float
+    """The epsilon of every RMSNorm of the layers."""
+    intermediate_size: int
+    """The MLP's width on this rank (``gate_up_proj`` outputs twice as many columns)."""
+
+
+@runtime_checkable
+class ProvidesDecoderWeights(Protocol):
+    """The capability of a :class:`CausalLM` that can describe its layers as
+    :class:`DecoderWeights` (Brigade's decoder has it)."""
+
+    def decoder_weights(self) -> DecoderWeights | None:
+        """The layers as they are now (computed on each call: an executor may swap linear
+        modules after the build), or None when the model is not a plain pre-norm RMSNorm,
+        SiLU-gated decoder. Reading it changes nothing."""
         ...
 
 

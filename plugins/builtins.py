@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from brigade.interfaces import ComponentRegistry, hookimpl
 from brigade.plugins.attention.flash_attn import FlashAttentionBackend
-from brigade.plugins.attention.sdpa import SdpaBackend, SdpaOptions
+from brigade.plugins.attention.sdpa import SdpaBackend
 from brigade.plugins.attention.triton_backend import TritonAttentionOptions, TritonBackend
+from brigade.plugins.cpu.attention import CpuAttentionBackend, CpuAttentionOptions
 from brigade.plugins.detokenizers.incremental import (
     IncrementalDetokenizer,
     IncrementalDetokenizerOptions,
@@ -46,7 +47,8 @@ def brigade_register(registry: ComponentRegistry) -> None:
     registry.add("executor", "torch", TorchExecutor, options=TorchExecutorOptions)
     registry.add("executor", "simulated", SimulatedExecutor, options=SimulatedExecutorOptions)
     registry.add("executor", "cuda-graph", CudaGraphExecutor, options=CudaGraphExecutorOptions)
-    registry.add("attention", "sdpa", SdpaBackend, options=SdpaOptions)
+    registry.add("attention", "sdpa", SdpaBackend)
+    registry.add("attention", "cpu", CpuAttentionBackend, options=CpuAttentionOptions)
     registry.add("attention", "triton", TritonBackend, options=TritonAttentionOptions)
     registry.add("attention", "flash-attn", FlashAttentionBackend)
     registry.add("sampler", "standard", StandardSampler, options=StandardSamplerOptions)

@@ -10,7 +10,7 @@ import torch
 
 from brigade.interfaces import ExecutorParams
 from brigade.models.checkpoint import open_checkpoint
-from brigade.plugins.attention.sdpa import SdpaBackend, SdpaOptions
+from brigade.plugins.cpu import CpuAttentionBackend, CpuAttentionOptions
 from brigade.plugins.executors.torch_executor import TorchExecutor, TorchExecutorOptions
 
 ATOL = 5e-5
@@ -37,8 +37,8 @@ def make_executor(
     params = ExecutorParams(
         model_path=str(directory),
         dtype=dtype,
-        attention=SdpaBackend(
-            SdpaOptions(
+        attention=CpuAttentionBackend(
+            CpuAttentionOptions(
                 native_decode=native_decode,
                 native_prefill=native_decode if native_prefill is None else native_prefill,
             )
@@ -82,8 +82,8 @@ def token_sequences(lengths: Sequence[int], seed: int = 1) -> list[list[int]]:
 
 
 class CountingOps:
-    """Forwards to a fused-operations namespace (``Fusion.ops``'s answer) and records which
-    operations were called."""
+    """Forwards to fused operations (a ``LayerOps``, or the kernels' namespace) and records
+    which operations were called."""
 
     def __init__(self, ops: object, calls: list[str]) -> None:
         self._ops, self._calls = ops, calls

@@ -1,17 +1,13 @@
 """The reference attention backend: gathers paged KV into dense tensors and calls torch SDPA.
 
+Pure torch, on any device: the backend other backends are checked against, and the one they
+build on (the ``cpu`` backend in ``brigade.plugins.cpu`` overrides :meth:`SdpaBackend.
+_attend_decodes` and :meth:`SdpaBackend._attend_prefills` with Brigade's C++ kernels and falls
+back on these where its kernels do not apply).
+
 Decode rows (one query each) run as one batched call in which each KV head's query heads
 stand in for the query-length axis, so K/V are never repeated per query head. Prefill chunks
 run one call each, with SDPA's grouped-query support.
-
-On a CPU, decode rows instead go through Brigade's C++ kernel (``native_decode``, the
-default): it reads each row's pages in place up to that row's own length, where the gather
-copies every row's pages up to the longest row's. Prefill chunks likewise go through its
-prefill kernel (``native_prefill``): every chunk of the step in one call, causal over the pages
-in place, no gathered keys and no mask tensors; in bfloat16 on a CPU with AMX its tile
-version (``cpu_prefill_tiles.cpp``: both products of flash attention on AMX tiles). Their
-build is cached; where it cannot be built (or the head size does not fit its vectors),
-attention takes the SDPA paths above.
 """
 
 from __future__ import annotations
@@ -22,9 +18,9 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
-from brigade.interfaces import AttentionBackend, AttentionLayer, ModelInput, NoOptions, option
+from brigade.interfaces import AttentionBackend, AttentionLayer, ModelInput, NoOptions
 
-__all__ = ["SdpaBackend", "SdpaMetadata", "SdpaOptions"]
+__all__ = ["SdpaBackend", "SdpaMetadata"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -147,89 +143,21 @@ class SdpaMetadata:
         return _PrefillRow(query_start, query_end, slots, mask)
 
 
-@dataclasses.dataclass(frozen=True)
-class SdpaOptions:
-    """Options of the ``sdpa`` backend."""
-
-    native_decode: bool = option(
-        True,
-        help="on a CPU, decode rows read the paged KV in place with Brigade's C++ kernel "
-        "(built once and cached) instead of gathering pages for SDPA",
-    )
-    cascade_decode: bool = option(
-        True,
-        help="with native_decode, decode rows whose block tables start with the same pages "
-        "(a prompt prefix held once by the prefix cache, at least 64 tokens) score those keys "
-        "together, reading them once per step instead of once per row (cascade attention)",
-    )
-    native_prefill: bool = option(
-        True,
-        help="on a CPU, prefill chunks attend causally over the paged KV in place with "
-        "Brigade's C++ kernel instead of SDPA on gathered keys and masks (float32 or "
-        "bfloat16, head sizes a multiple of the CPU's vector width; bfloat16 on a CPU with AMX "
-        "takes a version whose products run on AMX tiles)",
-    )
-
-
 class SdpaBackend(AttentionBackend):
-    """Paged attention on torch's ``scaled_dot_product_attention``; any device, any page size."""
+    """Paged attention on torch's ``scaled_dot_product_attention``; any device, any page size.
+
+    :meth:`forward` writes the new K/V, then attends the decode rows
+    (:meth:`_attend_decodes`) and the prefill chunks (:meth:`_attend_prefills`): the two
+    pieces a subclass may replace with kernels of its own, calling these where they do not
+    apply.
+    """
 
     name: ClassVar[str] = "sdpa"
     supports_sliding_window: ClassVar[bool] = True
 
-    def __init__(self, options: SdpaOptions | NoOptions | None = None) -> None:
-        self.options = options if options is not None else SdpaOptions()
-        # NoOptions (tests, other backends' fallbacks) means the defaults.
-        self._native = not isinstance(options, SdpaOptions) or options.native_decode
-        self._native_prefill = not isinstance(options, SdpaOptions) or options.native_prefill
-        self.cascade = not isinstance(options, SdpaOptions) or options.cascade_decode
-        """Whether decode rows sharing their first pages read them once (the C++ kernel)."""
-        self._kernel: Any = None
-        """The C++ decode kernel once resolved (False: unavailable here)."""
-        self._prefill: Any = None
-        """(the C++ prefill kernel, the CPU's vector lanes) once resolved (False: unavailable)."""
-        self._prefill_tiles: Any = None
-        """The bfloat16 prefill kernel on AMX tiles where it runs, else None (learned with the
-        prefill kernel)."""
-
-    def _decode_kernel(self, device: torch.device) -> Any:
-        if device.type != "cpu" or not self._native:
-            return None
-        if self._kernel is None:
-            from brigade.plugins.cpu.build import paged_decode_kernel
-
-            self._kernel = paged_decode_kernel() or False
-        return self._kernel or None
-
-    def _prefill_kernel(
-        self, query: torch.Tensor, key_cache: torch.Tensor, layer: AttentionLayer
-    ) -> Any:
-        """The C++ prefill kernel when it takes this layer's tensors here, else None."""
-        if query.device.type != "cpu" or not self._native_prefill:
-            return None
-        if {query.dtype, key_cache.dtype} - {torch.float32, torch.bfloat16}:
-            return None
-        from brigade.plugins.cpu.build import (
-            amx_tiles_usable,
-            cpu_ops,
-            kernels_take_head_dim,
-        )
-
-        if self._prefill is None:
-            ops = cpu_ops()
-            self._prefill = (ops.paged_prefill, int(ops.vector_lanes())) if ops else False
-            self._prefill_tiles = ops.paged_prefill_tiles if amx_tiles_usable() else None
-        if not self._prefill:
-            return None
-        kernel, lanes = self._prefill
-        if not kernels_take_head_dim(layer.head_dim, lanes):
-            return None
-        # bfloat16 on a CPU with AMX: the products on AMX tiles. On an AMX Xeon a 512-token
-        # SmolLM2 prompt's attention took ~20 ms there, 32 in torch's flash attention (also on
-        # AMX) and 55 on the vector kernel (docs/benchmarks.md).
-        if self._prefill_tiles is not None and query.dtype == key_cache.dtype == torch.bfloat16:
-            return self._prefill_tiles
-        return kernel
+    def __init__(self, options: NoOptions | None = None) -> None:
+        self.options: object = options if options is not None else NoOptions()
+        """This backend's options (a subclass keeps its own here)."""
 
     def build_metadata(self, batch: ModelInput) -> SdpaMetadata:
         """Host maxima and per-chunk bounds from the ``*_cpu`` copies; no device sync."""
@@ -269,40 +197,43 @@ class SdpaBackend(AttentionBackend):
         value_cache.index_copy_(0, meta.slot_mapping, value.to(value_cache.dtype))
 
         output = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
-        kernel = self._decode_kernel(query.device) if meta.num_decodes else None
-        if kernel is not None:
-            decodes = meta.num_decodes
-            native = query.dtype in (torch.float32, torch.bfloat16)
-            output[:decodes] = kernel(
-                # [D, heads, head_dim], float32 or bfloat16 as the kernel reads them
-                (query[:decodes] if native else query[:decodes].float()).contiguous(),
-                kv_cache[0],
-                kv_cache[1],
-                meta.block_tables[:decodes],
-                meta.seq_lens[:decodes],
-                layer.sliding_window or 0,
-                layer.scale,
-                self.cascade,
-            )
-        elif meta.num_decodes:
-            view = meta.decode_view(layer.sliding_window)
-            output[: meta.num_decodes] = _decode(
-                layer, query[: meta.num_decodes], kv_cache[0], kv_cache[1], view
-            )
-        prefill = self._prefill_kernel(query, kv_cache[0], layer) if meta.prefill_rows else None
-        if prefill is not None:
-            assert meta.prefill_chunks is not None  # built with prefill_rows
-            start = meta.prefill_rows[0][1]
-            output[start:] = prefill(
-                query.contiguous(),  # [T, heads, head_dim]: the chunks' tokens are read
-                kv_cache[0],
-                kv_cache[1],
-                meta.block_tables,
-                meta.prefill_chunks,
-                layer.sliding_window or 0,
-                layer.scale,
-            )  # [tokens of the chunks, heads, head_dim]
-            return output
+        if meta.num_decodes:
+            self._attend_decodes(layer, query, kv_cache, meta, output)
+        if meta.prefill_rows:
+            self._attend_prefills(layer, query, key, value, kv_cache, meta, output)
+        return output
+
+    def _attend_decodes(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: SdpaMetadata,
+        output: torch.Tensor,
+    ) -> None:
+        """Attend the leading ``meta.num_decodes`` rows of ``query`` [T, heads, head_dim] over
+        the pages (their new K/V already written) into the same rows of ``output``."""
+        view = meta.decode_view(layer.sliding_window)
+        output[: meta.num_decodes] = _decode(
+            layer, query[: meta.num_decodes], kv_cache[0], kv_cache[1], view
+        )
+
+    def _attend_prefills(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: SdpaMetadata,
+        output: torch.Tensor,
+    ) -> None:
+        """Attend every prefill chunk's rows of ``query`` (causal over the pages, their new
+        K/V already written; ``key``/``value`` are the step's new K/V [T, kv_heads, head_dim])
+        into the same rows of ``output``."""
+        num_kv_heads, head_dim = layer.num_kv_heads, layer.head_dim
+        key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)  # [slots, kv_heads, head_dim]
+        value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)  # [slots, kv_heads, head_dim]
         # A whole prompt in one chunk sees exactly its own new keys: attend to them as computed
         # instead of reading them back from the pages (same values when the cache has the
         # activations' dtype).
@@ -315,7 +246,6 @@ class SdpaBackend(AttentionBackend):
                 keys = key_cache[row.slots].to(query.dtype)  # [num_keys, kv_heads, head_dim]
                 values = value_cache[row.slots].to(query.dtype)
             output[span] = _prefill(layer, query[span], keys, values, row.mask)
-        return output
 
 
 def _decode(

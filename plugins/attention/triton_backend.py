@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 import os
 import sys
 from types import ModuleType
@@ -75,24 +74,6 @@ def triton_interpreting() -> bool:
     """Whether ``TRITON_INTERPRET`` asks for Triton's CPU interpreter (as Triton parses it)."""
     value = os.environ.get("TRITON_INTERPRET", "").strip().lower()
     return value in {"1", "true", "on", "yes", "y"}
-
-
-MIN_TRITON_CAPABILITY = (8, 0)
-"""The oldest GPUs given Brigade's Triton kernels unasked (attention by default, the decoder's
-fused small operations): Ampere. The kernels ran on an H200 (9.0); bf16 in Triton needs 8.0.
-Older GPUs keep sdpa and torch's operations unless a config names ``triton``."""
-
-
-@functools.cache
-def triton_runs_on(index: int | None) -> bool:
-    """Whether Brigade's Triton kernels are used unasked on CUDA device ``index`` (None: the
-    current one): Triton imports and the GPU is at least ``MIN_TRITON_CAPABILITY``."""
-    if importlib.util.find_spec("triton") is None:
-        return False
-    try:
-        return torch.cuda.get_device_capability(index) >= MIN_TRITON_CAPABILITY
-    except (AssertionError, RuntimeError):  # no usable CUDA after all
-        return False
 
 
 @functools.cache

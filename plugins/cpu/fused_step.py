@@ -5,9 +5,11 @@ dispatch (~40 calls per layer around its four GEMMs: module calls, views, the KV
 attention kernel, the fused small operations); a mixed step of 2048 tokens spent ~18 ms of its
 ~340 there. ``torch.ops.brigade_cpu.decode_layers`` runs every layer with the same kernels in
 the same order, so its result is identical to the eager forward's (tested bit for bit): decode
-steps, and steps with prefill chunks where the sdpa backend would run its C++ prefill kernel
-(``native_prefill``). The eager forward remains the path for other attention backends, dtypes
-and devices, prefills without the C++ kernel, and models with qk norm (Qwen3). The linear
+steps, and steps with prefill chunks where the ``cpu`` attention backend would run its C++
+prefill kernel (``native_prefill``). The executor runs it in place of the layers when
+:meth:`CpuDecodeLayers.run` takes the step; the layers one by one remain the path for other
+attention backends, dtypes and devices, prefills without the C++ kernel, and models with qk
+norm (Qwen3). It reads the model's layers as data (``DecoderWeights``), not its modules. The linear
 layers are called as the eager forward calls them: the panel or tile GEMM or oneDNN on the
 weight of a ``CpuLinear``, F.linear for a plain ``nn.Linear``.
 """
@@ -20,21 +22,23 @@ from typing import Any
 import torch
 from torch import nn
 
-from brigade.plugins.attention.sdpa import SdpaBackend, SdpaMetadata
+from brigade.interfaces import DecoderWeights
+from brigade.plugins.attention import SdpaMetadata
+from brigade.plugins.cpu.attention import CpuAttentionBackend
+from brigade.plugins.cpu.build import cpu_ops
 from brigade.plugins.cpu.gemm import CpuLinear
+from brigade.plugins.cpu.layer_ops import KERNEL_DTYPES
 
 __all__ = ["CpuDecodeLayers"]
 
 
 class CpuDecodeLayers:
-    """The model's per-layer weights laid out for ``decode_layers``; :meth:`run` takes a step
-    when it can (else None, and the caller runs the eager layers)."""
+    """A decoder's per-layer weights laid out for ``decode_layers``; :meth:`run` takes a step
+    when it can (else None, and the caller runs the layers one by one)."""
 
-    def __init__(self, model: Any) -> None:
-        self.model = model
-        """The ``DecoderForCausalLM`` (which builds this in its constructor)."""
-        self.enabled = True
-        """False keeps the eager layers (a reference, or ``[executor] fused_decode = false``)."""
+    def __init__(self, weights: DecoderWeights) -> None:
+        self.weights = weights
+        """The layers as the executor will run them (after it swapped their linear modules)."""
         self._args: tuple[Any, ...] | None = None
         self._usable: bool | None = None
 
@@ -49,15 +53,16 @@ class CpuDecodeLayers:
         """The residual stream after every layer of the step, or None when this step is not
         one the fused call covers."""
         if (
-            not self.enabled
-            or hidden.device.type != "cpu"
+            hidden.device.type != "cpu"
+            or hidden.dtype not in KERNEL_DTYPES
             or not isinstance(metadata, SdpaMetadata)
+            or torch.compiler.is_compiling()
         ):
             return None
-        ops = self.model.fusion.ops(hidden)
+        ops = cpu_ops()
         if ops is None or not self._can_run(hidden.device):
             return None
-        if any(k.dtype not in (torch.float32, torch.bfloat16) for k, _ in kv_caches):
+        if any(k.dtype not in KERNEL_DTYPES for k, _ in kv_caches):
             return None
         prefill = self._prefill_kind(hidden, kv_caches[0][0], metadata)
         if prefill is None:
@@ -81,34 +86,40 @@ class CpuDecodeLayers:
             prefill,
         )
 
+    @property
+    def _backend(self) -> CpuAttentionBackend:
+        backend = self.weights.layers[0].backend
+        assert isinstance(backend, CpuAttentionBackend)  # checked by _can_run
+        return backend
+
     def _prefill_kind(
         self, hidden: torch.Tensor, key_cache: torch.Tensor, metadata: SdpaMetadata
     ) -> int | None:
         """``decode_layers``' prefill argument for this step: 0 for a pure decode step, 1 or 2
-        for the sdpa backend's C++ prefill kernel (vector, AMX tiles) on its chunks; None when
-        the backend would attend to the chunks otherwise (the eager layers run then)."""
+        for the backend's C++ prefill kernel (vector, AMX tiles) on its chunks; None when the
+        backend would attend to the chunks otherwise (the layers run one by one then)."""
         if not metadata.prefill_rows:
             return 0 if metadata.num_decodes == hidden.shape[0] else None
-        first = self.model.decoder_layers[0].self_attn
-        kernel = first.backend._prefill_kernel(hidden, key_cache, first.layer)
+        first = self.weights.layers[0]
+        kernel = self._backend.prefill_kernel(hidden, key_cache, first.attention)
         if kernel is None:
             return None
-        return 2 if kernel is first.backend._prefill_tiles else 1
+        return 2 if kernel.tiles else 1
 
     def _can_run(self, device: torch.device) -> bool:
-        """Whether this model's layers are ones the fused call reproduces exactly."""
+        """Whether these layers are ones the fused call reproduces exactly: one ``cpu``
+        backend with its C++ decode kernel, no qk norm, one GEMM kind, gate_up projections
+        paired or not alike."""
         if self._usable is None:
-            layers = self.model.decoder_layers
-            backends = {id(layer.self_attn.backend) for layer in layers}
-            backend = layers[0].self_attn.backend
+            layers = self.weights.layers
+            backend = layers[0].backend if layers else None
             self._usable = (
-                len(backends) == 1
-                and isinstance(backend, SdpaBackend)
-                and backend._decode_kernel(device) is not None
-                and all(layer.self_attn.q_norm is None for layer in layers)
+                isinstance(backend, CpuAttentionBackend)
+                and all(layer.backend is backend for layer in layers)
+                and backend.decode_kernel(device) is not None
+                and not any(layer.qk_norm for layer in layers)
                 and len({_gemm_kind(m) for m in self._linears()}) == 1
-                and len({_paired(layer.mlp.gate_up_proj) for layer in layers}) == 1
-                and len({n.eps for n in self._norms()}) == 1
+                and len({_paired(layer.gate_up_proj) for layer in layers}) == 1
             )
         return self._usable
 
@@ -117,31 +128,30 @@ class CpuDecodeLayers:
             weights: list[torch.Tensor] = []
             biases: list[torch.Tensor | None] = []
             windows: list[int] = []
-            for layer in self.model.decoder_layers:
-                attention, mlp = layer.self_attn, layer.mlp
-                linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            for layer in self.weights.layers:
+                linears = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
                 weights += [
-                    layer.input_layernorm.weight,
-                    _gemm_weight(attention.qkv_proj),
-                    _gemm_weight(attention.o_proj),
-                    layer.post_attention_layernorm.weight,
-                    _gemm_weight(mlp.gate_up_proj),
-                    _gemm_weight(mlp.down_proj),
+                    layer.input_norm,
+                    _gemm_weight(layer.qkv_proj),
+                    _gemm_weight(layer.o_proj),
+                    layer.post_attention_norm,
+                    _gemm_weight(layer.gate_up_proj),
+                    _gemm_weight(layer.down_proj),
                 ]
-                biases += [linear.bias for linear in linears]
-                windows.append(attention.layer.sliding_window or 0)
-            first = self.model.decoder_layers[0]
-            spec = first.self_attn.layer
+                biases += [_bias(linear) for linear in linears]
+                windows.append(layer.attention.sliding_window or 0)
+            first = self.weights.layers[0]
+            spec = first.attention
             sizes = (
                 spec.num_heads,
                 spec.num_kv_heads,
                 spec.head_dim,
-                first.input_layernorm.eps,
+                self.weights.rms_norm_eps,
                 spec.scale,
-                _gemm_kind(first.self_attn.qkv_proj),
-                first.self_attn.backend.cascade,
-                first.mlp.intermediate_size,
-                _paired(first.mlp.gate_up_proj),
+                _gemm_kind(first.qkv_proj),
+                self._backend.cascade,
+                self.weights.intermediate_size,
+                _paired(first.gate_up_proj),
             )
             self._args = (weights, biases, windows, sizes)
         return self._args
@@ -149,20 +159,8 @@ class CpuDecodeLayers:
     def _linears(self) -> list[nn.Module]:
         return [
             module
-            for layer in self.model.decoder_layers
-            for module in (
-                layer.self_attn.qkv_proj,
-                layer.self_attn.o_proj,
-                layer.mlp.gate_up_proj,
-                layer.mlp.down_proj,
-            )
-        ]
-
-    def _norms(self) -> list[Any]:
-        return [
-            norm
-            for layer in self.model.decoder_layers
-            for norm in (layer.input_layernorm, layer.post_attention_layernorm)
+            for layer in self.weights.layers
+            for module in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
         ]
 
 
@@ -186,3 +184,9 @@ def _gemm_weight(linear: nn.Module) -> torch.Tensor:
     weight = linear.weight
     assert isinstance(weight, torch.Tensor)
     return weight
+
+
+def _bias(linear: nn.Module) -> torch.Tensor | None:
+    bias = linear.bias
+    assert bias is None or isinstance(bias, torch.Tensor)
+    return bias

@@ -27,10 +27,11 @@
   (``torch.ops.mkldnn._reorder_linear_weight``), as vLLM-CPU does; ``onednn`` runs it on the
   weight as loaded (reordered at every call).
 
-A gate_up projection (marked by its model with :func:`mark_gate_up`) packs its gate and up
-columns in pairs on panels and tiles, so that :meth:`CpuLinear.silu_mul` computes
-``silu(gate) * up`` as the GEMM stores its output, without writing the projection's output (on
-panels 4-6% faster than the GEMM and the SiLU-mul one after the other; the same results).
+A gate_up projection (named to :func:`use_cpu_linears` by the executor, which learns them from the
+model's ``decoder_weights()``) packs its gate and up columns in pairs on panels and tiles, so that
+:meth:`CpuLinear.silu_mul` computes ``silu(gate) * up`` as the GEMM stores its output, without
+writing the projection's output (on panels 4-6% faster than the GEMM and the SiLU-mul one after the
+other; the same results).
 
 :func:`use_cpu_linears` swaps every ``nn.Linear`` of a model for a :class:`CpuLinear`, a
 module swap (as ``torch.ao`` quantization does). The packed copy replaces the dense weight, so
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Collection
 from typing import Any, cast
 
 import torch
@@ -48,9 +50,7 @@ from torch import nn
 
 __all__ = [
     "CPU_LINEAR_MODES",
-    "GATE_UP",
     "CpuLinear",
-    "mark_gate_up",
     "onednn_linear",
     "onednn_usable",
     "pack_weight",
@@ -66,8 +66,6 @@ CPU_LINEAR_MODES = ("panels", "tiles", "packed", "onednn", "plain")
 """``[executor] cpu_linear``: Brigade's kernels (column panels for float32, and for bfloat16
 where the CPU has no AMX; bfloat16 on the AMX tile GEMM where it has), the same under its
 former name, oneDNN on prepacked weights, oneDNN on the weights as loaded, or ``F.linear``."""
-GATE_UP = "brigade_gate_up"
-"""The attribute :func:`mark_gate_up` sets on an ``nn.Linear``."""
 PACK_ROWS = 32
 """The row count oneDNN chooses the packed layout for: a decode batch. Measured best or level
 with packing for 1 or 512 rows at 1, 32 and 512 rows (docs/benchmarks.md)."""
@@ -137,16 +135,6 @@ def _panel_ops() -> Any:
     from brigade.plugins.cpu.build import cpu_ops
 
     return cpu_ops()
-
-
-def mark_gate_up(linear: nn.Linear) -> nn.Linear:
-    """Mark ``linear`` as a gate_up projection: its output is ``[gate, up]`` halves that only
-    ever feed ``silu(gate) * up``. On panels, :func:`use_cpu_linears` packs it in pairs for
-    :meth:`CpuLinear.silu_mul`. Returns ``linear``."""
-    if linear.out_features % 2:
-        raise ValueError(f"a gate_up projection needs an even width, not {linear.out_features}")
-    setattr(linear, GATE_UP, True)
-    return linear
 
 
 class CpuLinear(nn.Module):
@@ -226,20 +214,26 @@ class CpuLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.layout}"
 
 
-def use_cpu_linears(model: nn.Module, mode: str) -> int:
+def use_cpu_linears(model: nn.Module, mode: str, *, gate_up: Collection[nn.Module] = ()) -> int:
     """Swap every CPU ``nn.Linear`` of ``model`` in a dtype oneDNN runs here for a
     :class:`CpuLinear` (``mode`` ``panels``, ``tiles``, ``packed`` or ``onednn``; ``plain``
-    changes nothing). In ``panels`` mode (``tiles`` is the same) bfloat16 layers take the AMX
-    tile GEMM where it runs (:func:`tiles_usable`; a layer of odd in_features excepted), the
-    layers in a dtype the panel kernel takes here (see :func:`panels_chosen`) take it, and the
-    others oneDNN's packed layout, as do all of them when the kernels cannot be built here (with
-    a warning).
+    changes nothing). ``gate_up``: the model's gate_up projections (their output is ``[gate,
+    up]`` halves that only ever feed ``silu(gate) * up``), packed in pairs on panels and tiles
+    for :meth:`CpuLinear.silu_mul`; ``ValueError`` for one of odd width. In ``panels`` mode
+    (``tiles`` is the same) bfloat16 layers take the AMX tile GEMM where it runs
+    (:func:`tiles_usable`; a layer of odd in_features excepted), the layers in a dtype the
+    panel kernel takes here (see :func:`panels_chosen`) take it, and the others oneDNN's packed
+    layout, as do all of them when the kernels cannot be built here (with a warning).
 
     Returns the number of layers swapped (0 where oneDNN's op is missing: a warning is logged
     and the model is left as it was).
     """
     if mode not in CPU_LINEAR_MODES:
         raise ValueError(f"cpu_linear {mode!r} is not allowed; allowed: {CPU_LINEAR_MODES}")
+    paired = {id(linear) for linear in gate_up}
+    for linear in gate_up:
+        if isinstance(linear, nn.Linear) and linear.out_features % 2:
+            raise ValueError(f"a gate_up projection needs an even width, not {linear.out_features}")
     if mode == "plain":
         return 0
     targets = [
@@ -267,11 +261,11 @@ def use_cpu_linears(model: nn.Module, mode: str) -> int:
         )
     swapped = 0
     for parent, name, child in targets:
-        dtype, gate_up = child.weight.dtype, bool(getattr(child, GATE_UP, False))
+        dtype, pairs = child.weight.dtype, id(child) in paired
         if dtype in panels:
-            layer = CpuLinear(child, "panels", gate_up=gate_up)
+            layer = CpuLinear(child, "panels", gate_up=pairs)
         elif dtype in tiles and child.in_features % 2 == 0:
-            layer = CpuLinear(child, "tiles", gate_up=gate_up)
+            layer = CpuLinear(child, "tiles", gate_up=pairs)
         elif dtype in usable and onednn_usable(dtype):
             layer = CpuLinear(child, "dense" if mode == "onednn" else "packed")
         else:

@@ -1,4 +1,12 @@
-"""The eager PyTorch executor: one process, one device (CPU or a CUDA GPU)."""
+"""The eager PyTorch executor: one process, one device (CPU or a CUDA GPU).
+
+It runs a model that splits at attention (``SplitCausalLM``) through a forward of its own
+(:meth:`TorchExecutor.forward`): ``embed``, then on a CPU every layer of the step in one C++
+call where the fused step covers it (``brigade.plugins.cpu``: ``fused_decode``), else layer by
+layer (``attention_input``, ``attend``, ``finish_layer``), then ``final_norm``. It hands the
+model the device's fused small operations (``fused_ops``: the C++ kernels on a CPU, Triton on a
+GPU) and, on a CPU, swaps its linear layers for packed GEMMs (``cpu_linear``).
+"""
 
 from __future__ import annotations
 
@@ -15,23 +23,32 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from brigade.interfaces import (
+    AcceptsLayerOps,
     CausalLM,
     ConfigError,
     Executor,
     ExecutorParams,
     KVCacheSpec,
+    LayerOpsProvider,
     ModelArchitecture,
     ModelInput,
     ModelLoadError,
+    ProvidesDecoderWeights,
     SplitCausalLM,
     option,
 )
 from brigade.interfaces.executor import DTYPE_NAMES
 from brigade.model_input import SeqChunk, build_model_input
-from brigade.plugins.cpu.gemm import CPU_LINEAR_MODES, use_cpu_linears
-from brigade.plugins.cpu.memory import advise_huge_pages, keep_freed_memory
-from brigade.plugins.models.decoder import Fusion
-from brigade.plugins.models.parallel import TensorParallel
+from brigade.plugins.cpu import (
+    CPU_LINEAR_MODES,
+    CpuDecodeLayers,
+    advise_huge_pages,
+    cpu_layer_ops,
+    keep_freed_memory,
+    use_cpu_linears,
+)
+from brigade.plugins.gpu import triton_layer_ops
+from brigade.plugins.models import ARCHITECTURES, TensorParallel
 
 if TYPE_CHECKING:
     from brigade.plugins.executors.compiled_forward import CompiledForward
@@ -106,8 +123,8 @@ class TorchExecutorOptions:
     fused_decode: bool = option(
         True,
         help="on a CPU in float32 or bfloat16, with fused_ops, run all decoder layers of a step "
-        "as one C++ call (decode steps, and steps whose prefill chunks take the sdpa backend's "
-        "C++ prefill kernel; the same kernels in the same order as the eager forward, so "
+        "as one C++ call (decode steps, and steps whose prefill chunks take the cpu attention "
+        "backend's C++ prefill kernel; the same kernels in the same order as the eager forward, so "
         "identical results, without Python's per-operation overhead); false = layer by layer",
     )
     tensor_parallel_size: int = option(
@@ -215,17 +232,37 @@ class TorchExecutor(Executor):
             architecture.load_weights(self.model, checkpoint.weights(self.dtype, self.device))
         else:
             self.model = self._build_shard(architecture, hf_config, options)
+        weights = (
+            self.model.decoder_weights() if isinstance(self.model, ProvidesDecoderWeights) else None
+        )
         if isinstance(self.model, torch.nn.Module):
             self.model.eval()
             if self.device.type == "cpu" and not options.compile:
-                use_cpu_linears(self.model, options.cpu_linear)
-        if isinstance(fusion := getattr(self.model, "fusion", None), Fusion):
-            fusion.enabled = options.fused_ops
-        if (fused := getattr(self.model, "fused_decode", None)) is not None:
-            # The one-call C++ decode has no collectives: a shard runs layer by layer.
-            fused.enabled = options.fused_decode and self.tp is None
-        self.forward_fn: Callable[..., torch.Tensor] = self.model.forward
-        """The model's forward (a subclass may swap in a compiled one)."""
+                gate_up = [layer.gate_up_proj for layer in weights.layers] if weights else []
+                use_cpu_linears(self.model, options.cpu_linear, gate_up=gate_up)
+        if options.fused_ops and isinstance(self.model, AcceptsLayerOps):
+            self.model.use_layer_ops(_layer_ops_provider(self.device))
+        self.fused_step: CpuDecodeLayers | None = None
+        """Every layer of a step in one C++ call on a CPU, where it covers the step (identical
+        results); None where it never runs (``fused_decode`` or ``fused_ops`` off, CUDA, a
+        tensor-parallel shard: the one-call step has no collectives)."""
+        if (
+            options.fused_ops
+            and options.fused_decode
+            and self.tp is None
+            and self.device.type == "cpu"
+            and isinstance(self.model, ProvidesDecoderWeights)
+            and (weights := self.model.decoder_weights()) is not None  # the swapped linears
+        ):
+            self.fused_step = CpuDecodeLayers(weights)
+        self.split: SplitCausalLM | None = (
+            self.model if isinstance(self.model, SplitCausalLM) else None
+        )
+        """The model's pieces, which :meth:`forward` runs; None: the model runs whole."""
+        self.forward_fn: Callable[..., torch.Tensor] = (
+            self.forward if self.split is not None else self.model.forward
+        )
+        """The forward a step runs (a subclass may swap in a compiled one)."""
         self.compiled: CompiledForward | None = None
         """The compiled forward on a CPU (``compile`` option), else None."""
         num_layers = len(self.model.attention_layers)
@@ -240,6 +277,32 @@ class TorchExecutor(Executor):
         self.num_pages = 0
         self.host_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         """Swap pages in host memory (ids ``num_pages`` and up)."""
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        attn_metadata: Any,
+    ) -> torch.Tensor:
+        """The model's forward run by its pieces: ``embed``, then the step's layers in one C++
+        call where :attr:`fused_step` takes the step, else layer by layer, then ``final_norm``;
+        input_ids, positions [T] -> final-normed hidden states [T, hidden_size]."""
+        model = self.split
+        if model is None:
+            raise RuntimeError("the model does not split at attention; call its own forward")
+        hidden, cos, sin = model.embed(input_ids, positions)
+        fused = self.fused_step
+        if (
+            fused is not None
+            and (after := fused.run(hidden, cos, sin, kv_caches, attn_metadata)) is not None
+        ):
+            return model.final_norm(after)
+        for index, kv_cache in enumerate(kv_caches):
+            q, k, v = model.attention_input(index, hidden, cos, sin)
+            attention = model.attend(index, q, k, v, kv_cache, attn_metadata)
+            hidden = model.finish_layer(index, hidden, attention)
+        return model.final_norm(hidden)
 
     def _build_shard(
         self,
@@ -514,9 +577,13 @@ class TorchExecutor(Executor):
             torch.cuda.empty_cache()
 
 
-def _architecture_for(hf_config: dict[str, object], model_path: str) -> ModelArchitecture:
-    from brigade.plugins.models.architectures import ARCHITECTURES
+def _layer_ops_provider(device: torch.device) -> LayerOpsProvider:
+    """The fused small operations for a model on ``device``: the C++ kernels on a CPU, Triton
+    on a CUDA GPU (each None for tensors it does not take)."""
+    return cpu_layer_ops if device.type == "cpu" else triton_layer_ops
 
+
+def _architecture_for(hf_config: dict[str, object], model_path: str) -> ModelArchitecture:
     names = hf_config.get("architectures")
     for name in names if isinstance(names, list) else []:
         if name in ARCHITECTURES:

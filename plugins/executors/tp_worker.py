@@ -29,11 +29,11 @@ from brigade.plugins.executors.tp_ranks import (
     RankSpec,
     join_group,
 )
-from brigade.plugins.models.parallel import KEY, TensorParallel
+from brigade.plugins.models import TENSOR_PARALLEL_KEY, TensorParallel
 
 if TYPE_CHECKING:
     from brigade.interfaces import ExecutorParams, ModelArchitecture
-    from brigade.plugins.models.architectures import DecoderArchitecture
+    from brigade.plugins.models import DecoderArchitecture
 
 __all__ = ["RankWorker", "check_split", "cpu_threads", "rank_device", "run_rank", "start_ranks"]
 
@@ -51,17 +51,18 @@ def check_split(
 ) -> DecoderArchitecture:
     """``architecture`` if the model splits over ``size`` ranks (and ``compile`` is off),
     else a ``ConfigError`` naming the key."""
-    from brigade.plugins.models.architectures import DecoderArchitecture
+    from brigade.plugins.models import DecoderArchitecture
 
     if not isinstance(architecture, DecoderArchitecture):
         raise ConfigError(
-            f"{KEY} = {size}: architecture {type(architecture).__name__} cannot be split; "
-            "allowed: 1 (tensor parallelism covers the built-in decoder architectures)"
+            f"{TENSOR_PARALLEL_KEY} = {size}: architecture {type(architecture).__name__} "
+            "cannot be split; allowed: 1 (tensor parallelism covers the built-in decoder "
+            "architectures)"
         )
     if compile:
         raise ConfigError(
-            f"{KEY} = {size} cannot be combined with [executor] compile = true; set one of "
-            "them back"
+            f"{TENSOR_PARALLEL_KEY} = {size} cannot be combined with [executor] compile = true; "
+            "set one of them back"
         )
     architecture.check_split(hf_config, size)
     return architecture
@@ -74,8 +75,9 @@ def rank_device(device: torch.device, rank: int, size: int) -> torch.device:
     first = device.index or 0
     if first + size > torch.cuda.device_count():
         raise ConfigError(
-            f"{KEY} = {size} needs {size} CUDA devices from cuda:{first} on; "
-            f"{torch.cuda.device_count()} visible (lower {KEY} or set [executor] device)"
+            f"{TENSOR_PARALLEL_KEY} = {size} needs {size} CUDA devices from cuda:{first} on; "
+            f"{torch.cuda.device_count()} visible (lower {TENSOR_PARALLEL_KEY} or set "
+            "[executor] device)"
         )
     return torch.device("cuda", first + rank)
 

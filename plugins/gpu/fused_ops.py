@@ -2,18 +2,18 @@
 after the residual add), SiLU(gate) * up, and RoPE on q and k in one launch.
 
 The same four operations, with the same signatures and arithmetic, as the fused CPU kernels
-(``cpu_fused.cpp``), so the decoder takes either through one seam (``Fusion.ops``). In eager
-torch each is three to seven kernels; on an H200 a batch-1 decode step of a 1B Llama in CUDA
-graphs spent about as long in those ~430 small launches as in its GEMMs (docs/gpu.md).
-Arithmetic is float32 in transformers' order, rounded to the activation dtype wherever
-transformers' chain of torch operations rounds (after the normalisation and after the weight;
-after SiLU and after the product), so bf16 and fp16 norms and SiLU-mul equal the torch
+(``cpu_layer_ops.cpp``), so a model takes either through one seam (``LayerOps``, which the executor
+hands it: ``layer_ops``). In eager torch each is three to seven kernels; on an H200 a batch-1
+decode step of a 1B Llama in CUDA graphs spent about as long in those ~430 small launches as in its
+GEMMs (docs/gpu.md). Arithmetic is float32 in transformers' order, rounded to the activation dtype
+wherever transformers' chain of torch operations rounds (after the normalisation and after the
+weight; after SiLU and after the product), so bf16 and fp16 norms and SiLU-mul equal the torch
 operations' up to a unit or two in the last place, from the norm's float32 summation order and
-Triton's exp. RoPE rounds once, after the sum of its two products (torch, and the CPU kernel,
-round each product too): compiled on an H200, the per-product roundings written in Triton did
-not reproduce torch's results (a unit in the last place apart; the compiler may contract a
-product into an FMA), while one rounding of an exact float32 sum of exact products cannot
-differ, and is the more exact. In float32 RoPE matches torch to float32 rounding.
+Triton's exp. RoPE rounds once, after the sum of its two products (torch, and the CPU kernel, round
+each product too): compiled on an H200, the per-product roundings written in Triton did not
+reproduce torch's results (a unit in the last place apart; the compiler may contract a product into
+an FMA), while one rounding of an exact float32 sum of exact products cannot differ, and is the
+more exact. In float32 RoPE matches torch to float32 rounding.
 
 Layouts: every tensor of one dtype (float32, bfloat16 or float16) with a contiguous last
 dimension; rows may be strided (views such as the q/k/v columns of a fused projection's

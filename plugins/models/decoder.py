@@ -3,25 +3,23 @@
 Projections are fused: one Linear makes q, k and v, one makes the MLP's gate and up halves.
 Module names otherwise mirror transformers' so checkpoint names map one to one.
 
-The forward is a chain of pieces split at attention, so an executor can run the dense pieces
-as CUDA graphs and attention eagerly (piecewise capture, see
-``brigade.plugins.executors.piecewise``): :meth:`DecoderForCausalLM.embed`, then per layer
-``attention_input`` (input norm, qkv, qk norm, RoPE), ``attend`` (the backend: KV write and
-attention) and ``finish_layer`` (o_proj, residual, MLP, residual), then ``final_norm``. The
-model-level methods only pick the layer; the eager forward calls the same layer methods, so
-both paths run one implementation.
+The forward is a chain of pieces split at attention (``SplitCausalLM``), so an executor can
+run the dense pieces as CUDA graphs and attention eagerly (piecewise capture), or the pieces
+layer by layer itself: :meth:`DecoderForCausalLM.embed`, then per layer ``attention_input``
+(input norm, qkv, qk norm, RoPE), ``attend`` (the backend: KV write and attention) and
+``finish_layer`` (o_proj, residual, MLP, residual), then ``final_norm``. The model-level
+methods only pick the layer; :meth:`DecoderForCausalLM.forward` calls the same layer methods,
+so every path runs one implementation.
 
 The small operations between the GEMMs (RMSNorm, the residual add before the post-attention
-norm, SiLU-mul, RoPE) run fused: on a CPU in float32 or bfloat16 as Brigade's C++ kernels
-(``brigade.plugins.cpu.build``) when they can be built, on a CUDA GPU of Ampere or
-later as Triton kernels (``brigade.plugins.gpu.fused_ops``) when Triton imports, and as the
-torch operations transformers uses otherwise; :class:`Fusion` decides.
+norm, SiLU-mul, RoPE) are torch's, as transformers runs them, unless the executor hands the
+model fused ones (``AcceptsLayerOps.use_layer_ops``: the CPU's C++ kernels, Triton on a GPU).
+The model describes its layers as data (``ProvidesDecoderWeights``) for an executor that runs
+a whole step its own way.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -29,64 +27,52 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from brigade.interfaces import AttentionBackend, AttentionLayer
-from brigade.plugins.cpu.build import cpu_ops
-from brigade.plugins.attention.triton_backend import triton_runs_on
-from brigade.plugins.cpu.gemm import CpuLinear, mark_gate_up
+from brigade.interfaces import (
+    AttentionBackend,
+    AttentionLayer,
+    DecoderLayerWeights,
+    DecoderWeights,
+    LayerOps,
+    LayerOpsProvider,
+)
 from brigade.plugins.models.config import DecoderConfig
 from brigade.plugins.models.parallel import TensorParallel, all_reduce, gather_vocab
 from brigade.plugins.models.rope import apply_rope, rope_cos_sin
 
-__all__ = ["DecoderForCausalLM", "Fusion", "RMSNorm"]
+__all__ = ["DecoderForCausalLM", "RMSNorm"]
 
 
-@dataclasses.dataclass
-class Fusion:
-    """Whether a model's small operations take fused kernels; one per model, shared by its
-    modules (``enabled = False`` keeps the torch operations, e.g. as a reference)."""
+class _LayerOpsSlot:
+    """The provider of fused operations the executor handed the model, shared by its modules
+    (one slot per model: :meth:`DecoderForCausalLM.use_layer_ops` fills it)."""
 
-    enabled: bool = True
+    def __init__(self) -> None:
+        self.provider: LayerOpsProvider | None = None
 
-    def ops(self, x: torch.Tensor) -> Any:
-        """What runs the small operations on eager tensors like ``x``: ``torch.ops.brigade_cpu``
-        (float32 or bfloat16 on a CPU, once built) or ``triton_fused`` (float32, bfloat16 or
-        float16 on a CUDA GPU of Ampere or later with Triton), both with rms_norm, add_rms_norm,
-        silu_mul and rope; None elsewhere, and under torch.compile, which fuses."""
-        if not self.enabled or torch.compiler.is_compiling():
+    def ops(self, x: torch.Tensor) -> LayerOps | None:
+        """The fused operations for eager tensors like ``x``; None without a provider, where it
+        has none for ``x``, and under torch.compile (which fuses the torch operations)."""
+        if self.provider is None or torch.compiler.is_compiling():
             return None
-        if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
-            return cpu_ops()
-        if x.device.type == "cuda" and x.dtype in (torch.float32, torch.bfloat16, torch.float16):
-            return _triton_fused(x.device.index or 0)
-        return None
-
-
-@functools.cache
-def _triton_fused(index: int) -> Any:
-    """The Triton kernels' module for CUDA device ``index``, or None where they are not used
-    (Triton missing, a GPU older than Ampere: ``triton_runs_on``)."""
-    if not triton_runs_on(index):
-        return None
-    from brigade.plugins.gpu import fused_ops as triton_fused
-
-    return triton_fused
+        return self.provider(x)
 
 
 class RMSNorm(nn.Module):
     """Root-mean-square norm over the last dimension, computed in float32 like transformers."""
 
     def __init__(
-        self, size: int, eps: float, dtype: torch.dtype, fusion: Fusion | None = None
+        self, size: int, eps: float, dtype: torch.dtype, slot: _LayerOpsSlot | None = None
     ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(size, dtype=dtype))
         self.eps = eps
-        self.fusion = fusion or Fusion(enabled=False)
+        self.slot = slot or _LayerOpsSlot()
+        """Where the fused operations come from (a norm of its own: torch's)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., size] -> same shape and dtype."""
-        if x.dim() == 2 and (ops := self.fusion.ops(x)) is not None:
-            return cast("torch.Tensor", ops.rms_norm(x, self.weight, self.eps))
+        if x.dim() == 2 and (ops := self.slot.ops(x)) is not None:
+            return ops.rms_norm(x, self.weight, self.eps)
         x32 = x.float()
         variance = x32.pow(2).mean(-1, keepdim=True)
         return self.weight * (x32 * torch.rsqrt(variance + self.eps)).to(x.dtype)
@@ -99,12 +85,12 @@ class DecoderAttention(nn.Module):
         layer: AttentionLayer,
         backend: AttentionBackend,
         dtype: torch.dtype,
-        fusion: Fusion,
+        slot: _LayerOpsSlot,
     ) -> None:
         super().__init__()
         self.layer = layer
         self.backend = backend
-        self.fusion = fusion
+        self.slot = slot
         # This rank's heads (all of them without tensor parallelism).
         q_size = layer.num_heads * layer.head_dim
         kv_size = layer.num_kv_heads * layer.head_dim
@@ -133,7 +119,7 @@ class DecoderAttention(nn.Module):
         v = v.reshape(num_tokens, layer.num_kv_heads, layer.head_dim)  # [T, kv_heads, head_dim]
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if (ops := self.fusion.ops(q)) is not None:
+        if (ops := self.slot.ops(q)) is not None:
             q, k = ops.rope(q, k, cos, sin)
             return q, k, v
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
@@ -152,15 +138,13 @@ class DecoderAttention(nn.Module):
 
 class DecoderMLP(nn.Module):
     def __init__(
-        self, config: DecoderConfig, dtype: torch.dtype, fusion: Fusion, tp_size: int
+        self, config: DecoderConfig, dtype: torch.dtype, slot: _LayerOpsSlot, tp_size: int
     ) -> None:
         super().__init__()
-        self.fusion = fusion
+        self.slot = slot
         self.intermediate_size = config.intermediate_size // tp_size  # this rank's share
-        self.gate_up_proj: nn.Module = mark_gate_up(
-            nn.Linear(
-                config.hidden_size, 2 * self.intermediate_size, bias=config.mlp_bias, dtype=dtype
-            )
+        self.gate_up_proj: nn.Module = nn.Linear(
+            config.hidden_size, 2 * self.intermediate_size, bias=config.mlp_bias, dtype=dtype
         )
         self.down_proj = nn.Linear(
             self.intermediate_size, config.hidden_size, bias=config.mlp_bias, dtype=dtype
@@ -168,11 +152,8 @@ class DecoderMLP(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [T, hidden_size] -> [T, hidden_size]."""
-        if (ops := self.fusion.ops(hidden)) is not None:
-            projection = self.gate_up_proj
-            if isinstance(projection, CpuLinear) and projection.paired:
-                return self.down_proj(projection.silu_mul(hidden))  # SiLU-mul in the GEMM
-            return self.down_proj(ops.silu_mul(projection(hidden)))
+        if (ops := self.slot.ops(hidden)) is not None:
+            return self.down_proj(ops.gate_up_silu(self.gate_up_proj, hidden))
         gate_up = self.gate_up_proj(hidden)  # [T, 2 * intermediate_size]: gate, then up
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
@@ -185,20 +166,20 @@ class DecoderLayer(nn.Module):
         layer: AttentionLayer,
         backend: AttentionBackend,
         dtype: torch.dtype,
-        fusion: Fusion,
+        slot: _LayerOpsSlot,
         tp: TensorParallel | None = None,
     ) -> None:
         super().__init__()
-        self.fusion = fusion
+        self.slot = slot
         self.tp = tp
         """With tensor parallelism, o_proj and down_proj hold a share of their input columns:
         their outputs are summed over the ranks."""
         tp_size = 1 if tp is None else tp.size
         eps = config.rms_norm_eps
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, fusion)
-        self.self_attn = DecoderAttention(config, layer, backend, dtype, fusion)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, fusion)
-        self.mlp = DecoderMLP(config, dtype, fusion, tp_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, slot)
+        self.self_attn = DecoderAttention(config, layer, backend, dtype, slot)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, slot)
+        self.mlp = DecoderMLP(config, dtype, slot, tp_size)
 
     def attention_input(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -214,7 +195,7 @@ class DecoderLayer(nn.Module):
         if self.tp is not None:
             delta = all_reduce(delta, self.tp)
         norm = self.post_attention_layernorm
-        if (ops := self.fusion.ops(hidden)) is not None:
+        if (ops := self.slot.ops(hidden)) is not None:
             hidden, normed = ops.add_rms_norm(hidden, delta, norm.weight, norm.eps)
         else:
             hidden = hidden + delta
@@ -236,7 +217,9 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
-    """A ``CausalLM``: token ids and positions in, hidden states out; logits on request.
+    """A ``CausalLM``: token ids and positions in, hidden states out; logits on request. It
+    splits at attention (``SplitCausalLM``), takes an executor's fused small operations
+    (``AcceptsLayerOps``) and describes its layers as data (``ProvidesDecoderWeights``).
 
     Build it on the meta device and give it memory (``architectures.allocate``); then call
     :meth:`initialize_rope` (the cos/sin cache is computed, not loaded).
@@ -265,8 +248,8 @@ class DecoderForCausalLM(nn.Module):
         )
         self.vocab_rows = -(-config.vocab_size // tp_size)
         """Rows of the embedding and the LM head here (the vocabulary padded to tp_size)."""
-        self.fusion = Fusion()
-        """Whether the small operations take fused kernels (see :class:`Fusion`)."""
+        self.layer_ops = _LayerOpsSlot()
+        """The fused small operations the executor handed over (:meth:`use_layer_ops`)."""
         self.attention_layers: Sequence[AttentionLayer] = tuple(
             AttentionLayer(
                 layer_index=index,
@@ -286,16 +269,12 @@ class DecoderForCausalLM(nn.Module):
             _weight=torch.empty(self.vocab_rows, config.hidden_size, dtype=dtype),
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(config, layer, backend, dtype, self.fusion, self.tp)
+            DecoderLayer(config, layer, backend, dtype, self.layer_ops, self.tp)
             for layer in self.attention_layers
         )
         self.decoder_layers = cast("tuple[DecoderLayer, ...]", tuple(self.layers))
         """The modules of ``layers``, typed (the ModuleList is what registers them)."""
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, self.fusion)
-        from brigade.plugins.cpu.fused_step import CpuDecodeLayers  # it reads this class
-
-        self.fused_decode = CpuDecodeLayers(self)
-        """A pure decode step's layers as one C++ call on a CPU (identical results)."""
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, self.layer_ops)
         self.lm_head = (
             None
             if config.tie_word_embeddings
@@ -322,12 +301,37 @@ class DecoderForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: [T] -> final-normed hidden states [T, hidden_size]."""
         hidden, cos, sin = self.embed(input_ids, positions)
-        fused = self.fused_decode.run(hidden, cos, sin, kv_caches, attn_metadata)
-        if fused is not None:
-            return self.final_norm(fused)
         for layer, kv_cache in zip(self.decoder_layers, kv_caches, strict=True):
             hidden = layer(hidden, cos, sin, kv_cache, attn_metadata)
         return self.final_norm(hidden)
+
+    def use_layer_ops(self, provider: LayerOpsProvider | None) -> None:
+        """Run the small operations through ``provider``'s fused ones (``AcceptsLayerOps``;
+        None: torch's)."""
+        self.layer_ops.provider = provider
+
+    def decoder_weights(self) -> DecoderWeights:
+        """The layers as data, with the modules as they are now (``ProvidesDecoderWeights``)."""
+        layers = tuple(
+            DecoderLayerWeights(
+                input_norm=layer.input_layernorm.weight,
+                qkv_proj=layer.self_attn.qkv_proj,
+                o_proj=layer.self_attn.o_proj,
+                post_attention_norm=layer.post_attention_layernorm.weight,
+                gate_up_proj=layer.mlp.gate_up_proj,
+                down_proj=layer.mlp.down_proj,
+                attention=layer.self_attn.layer,
+                backend=layer.self_attn.backend,
+                qk_norm=layer.self_attn.q_norm is not None,
+            )
+            for layer in self.decoder_layers
+        )
+        return DecoderWeights(
+            layers=layers,
+            rms_norm_eps=self.config.rms_norm_eps,
+            intermediate_size=self.config.intermediate_size
+            // (1 if self.tp is None else self.tp.size),
+        )
 
     # The pieces of ``forward``, split at attention (piecewise CUDA graphs call them one by one).
 

@@ -16,7 +16,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from brigade.interfaces import ReplicaLoad, Router, RouterParams, option
-from brigade.plugins.kv.paged import ROOT_PAGE_DIGEST, hash_page
+from brigade.plugins.kv import ROOT_PAGE_DIGEST, hash_page
 
 __all__ = [
     "CacheAwareOptions",

@@ -28,7 +28,7 @@ from brigade.interfaces import (
     SamplerParams,
     SamplingBatch,
 )
-from brigade.plugins.cpu.build import cpu_ops
+from brigade.plugins.cpu import cpu_ops
 from brigade.plugins.samplers.processors import (
     LogitBiasProcessor,
     MinTokensProcessor,

@@ -33,13 +33,13 @@ def test_no_file_means_defaults(registry: Registry) -> None:
     assert config["kv"].settings.page_size == 16
     assert config["executor"].plugin == "torch"
     assert config["executor"].options.device == "auto"
-    assert config["attention"].plugin == "sdpa"
+    assert config["attention"].plugin == "cpu"
     assert config["scheduler"].settings.max_num_batched_tokens == 2048
     assert config.components == {
         "kv": "paged",
         "scheduler": "fcfs",
         "executor": "torch",
-        "attention": "sdpa",
+        "attention": "cpu",
         "sampler": "standard",
         "grammar": "xgrammar",
         "detokenizer": "incremental",

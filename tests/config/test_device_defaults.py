@@ -1,7 +1,8 @@
-"""On a CUDA GPU, a station whose table names no plugin gets the GPU's fast path (the
-cuda-graph executor, triton attention); elsewhere, and wherever the user chose, nothing moves.
-CUDA is declared with a patched ``torch.cuda.is_available``: only the choice is tested here
-(scripts/gpu_check.sh runs the chosen plugins on a GPU)."""
+"""A station whose table names no plugin gets the machine's fast path: on a CUDA GPU the
+cuda-graph executor and triton attention, where the model runs on a CPU the cpu attention
+backend; wherever the user chose, nothing moves. CUDA is declared with a patched
+``torch.cuda.is_available``: only the choice is tested here (scripts/gpu_check.sh runs the
+chosen plugins on a GPU)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,8 @@ import torch
 
 from brigade.config import load_config
 from brigade.errors import ConfigError
-from brigade.plugins.attention.triton_backend import triton_runs_on
-from brigade.plugins.gpu import fused_ops as triton_fused
-from brigade.plugins.models import decoder
+from brigade.plugins.gpu import TritonLayerOps, triton_runs_on
+from brigade.plugins.gpu import layer_ops as triton_layer_ops
 from brigade.registry import Registry, load_registry
 from brigade.startup import changed_settings
 
@@ -44,12 +44,12 @@ def declare_gpu(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int]) ->
 
 @pytest.fixture(autouse=True)
 def _fresh_answers() -> Iterator[None]:
-    """``triton_runs_on`` and the decoder's choice cache per device: no test sees another's
-    GPU."""
-    for cached in (triton_runs_on, decoder._triton_fused):
+    """``triton_runs_on`` and the Triton operations' choice cache per device: no test sees
+    another's GPU."""
+    for cached in (triton_runs_on, triton_layer_ops._on_device):
         cached.cache_clear()
     yield
-    for cached in (triton_runs_on, decoder._triton_fused):
+    for cached in (triton_runs_on, triton_layer_ops._on_device):
         cached.cache_clear()
 
 
@@ -68,11 +68,12 @@ def test_a_gpu_gets_graphs_and_triton(registry: Registry, device: Sequence[str])
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
-        (["executor.device=cpu"], ("torch", "sdpa")),  # the model runs on the CPU
+        (["executor.device=cpu"], ("torch", "cpu")),  # the model runs on the CPU
         (["executor.plugin=torch"], ("torch", "triton")),  # eager, as named (--enforce-eager)
         (["attention.plugin=sdpa"], ("cuda-graph", "sdpa")),
         (["executor.tensor_parallel_size=2"], ("torch", "triton")),  # an option of torch's
-        (["attention.native_decode=false"], ("cuda-graph", "sdpa")),  # an option of sdpa's
+        # an option of the cpu backend's (vLLM's --disable-cascade-attn sets cascade_decode)
+        (["attention.cascade_decode=false"], ("cuda-graph", "cpu")),
         (["executor.plugin=simulated"], ("simulated", "sdpa")),  # it knows its device
     ],
 )
@@ -88,11 +89,39 @@ def test_a_bad_value_gets_the_gpu_plugins_own_message(registry: Registry) -> Non
         chosen(registry, "executor.capture_sizes=[0]")
 
 
-def test_without_a_gpu_nothing_moves(registry: Registry, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ([], ("torch", "cpu")),
+        (["executor.device=cpu"], ("torch", "cpu")),
+        # The cpu backend's own options, or none of them, keep it.
+        (["attention.native_decode=false"], ("torch", "cpu")),
+        (["attention.native_prefill=false", "attention.cascade_decode=false"], ("torch", "cpu")),
+        (["attention.plugin=sdpa"], ("torch", "sdpa")),  # the reference, as named
+        (["executor.plugin=simulated"], ("simulated", "sdpa")),  # it knows its device
+        # A CUDA device named where there is none keeps the torch executor and its clear error.
+        (["executor.device=cuda"], ("torch", "sdpa")),
+    ],
+)
+def test_on_a_cpu_attention_takes_the_cpu_kernels(
+    registry: Registry,
+    monkeypatch: pytest.MonkeyPatch,
+    overrides: list[str],
+    expected: tuple[str, str],
+) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert chosen(registry) == ("torch", "sdpa")
-    # A CUDA device named where there is none keeps the torch executor and its clear error.
-    assert chosen(registry, "executor.device=cuda") == ("torch", "sdpa")
+    assert chosen(registry, *overrides) == expected
+
+
+def test_the_cpu_backends_options_are_checked_with_its_messages(
+    registry: Registry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="native_decod"):
+        chosen(registry, "attention.native_decode=maybe")
+    # A key no plugin takes: the static default's message.
+    with pytest.raises(ConfigError, match=r"\(sdpa\)"):
+        chosen(registry, "attention.num_kv_splits=2")
 
 
 def test_a_gpu_older_than_ampere_keeps_sdpa(
@@ -102,14 +131,16 @@ def test_a_gpu_older_than_ampere_keeps_sdpa(
     assert chosen(registry) == ("cuda-graph", "sdpa")
 
 
-def test_the_decoder_takes_the_triton_kernels_by_the_same_rule(
+def test_the_executors_triton_operations_follow_the_same_rule(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     declare_gpu(monkeypatch, (7, 5))
-    assert decoder._triton_fused(0) is None
+    assert triton_layer_ops._on_device(0) is None
     declare_gpu(monkeypatch, (8, 0))
-    decoder._triton_fused.cache_clear()
-    assert decoder._triton_fused(0) is triton_fused
+    triton_layer_ops._on_device.cache_clear()
+    assert isinstance(triton_layer_ops._on_device(0), TritonLayerOps)
+    # CPU tensors and other dtypes never take them.
+    assert triton_layer_ops.triton_layer_ops(torch.zeros(2, 4)) is None
 
 
 @pytest.mark.usefixtures("gpu")

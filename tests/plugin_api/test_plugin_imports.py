@@ -6,6 +6,11 @@ built-ins, each other (``brigade.plugins``); nothing else of core. The check rea
 so it also sees imports inside functions or under ``TYPE_CHECKING``, ``from brigade import X``,
 relative imports that climb out of ``brigade.plugins`` and ``importlib.import_module("...")``
 with a literal name. A plugin's own tests (its ``tests/`` folder) may import anything.
+
+Between built-in packages (``plugins/<package>/``) the same holds one level down: a file imports
+its own package's modules freely, another package only through that package's root
+(``brigade.plugins.<other>``) and only the names its ``__all__`` exports, never its modules.
+``plugins/builtins.py``, which registers every component, is no package's and reads them all.
 """
 
 from __future__ import annotations
@@ -196,6 +201,118 @@ def test_the_example_plugin_may_not_lean_on_the_builtins() -> None:
     assert not forbidden_imports(
         source, filename="x.py", package="brigade.plugins.kv", allowed=BUILTIN_ALLOWED
     )
+
+
+def package_exports() -> dict[str, frozenset[str]]:
+    """``brigade.plugins.<package>`` -> the names its ``__init__.py`` lists in ``__all__``."""
+    exports = {}
+    for init in sorted(BUILTINS.glob("*/__init__.py")):
+        names: frozenset[str] = frozenset()
+        for node in ast.parse(init.read_text(encoding="utf-8")).body:
+            if isinstance(node, ast.Assign) and any(
+                isinstance(target, ast.Name) and target.id == "__all__" for target in node.targets
+            ):
+                names = frozenset(ast.literal_eval(node.value))
+        exports[f"brigade.plugins.{init.parent.name}"] = names
+    return exports
+
+
+def cross_package_imports(
+    source: str, *, filename: str, package: str, exports: dict[str, frozenset[str]]
+) -> list[ForbiddenImport]:
+    """Every import by a file of built-in ``package`` (``brigade.plugins.<name>`` or below) of
+    another built-in package's module, or of a name its root does not export (reported as
+    ``<root>.<name>``)."""
+    own = ".".join(package.split(".")[:3])
+    found = []
+    for node in ast.walk(ast.parse(source, filename)):
+        for module in _imported_modules(node, package):
+            if not _within(module, ("brigade.plugins",)) or _within(module, (own,)):
+                continue
+            line = getattr(node, "lineno", 0)
+            root = ".".join(module.split(".")[:3])
+            if module != root or root not in exports:
+                found.append(ForbiddenImport(filename, line, module))
+            elif isinstance(node, ast.ImportFrom):
+                found += [
+                    ForbiddenImport(filename, line, f"{root}.{alias.name}")
+                    for alias in node.names
+                    if alias.name not in exports[root]
+                ]
+    return sorted(found, key=lambda f: f.line)
+
+
+BUILTIN_PACKAGE_FILES = [
+    (file, package) for file, package, _ in PLUGIN_FILES if package.startswith("brigade.plugins.")
+]
+
+
+@pytest.mark.parametrize(
+    ("file", "package"),
+    BUILTIN_PACKAGE_FILES,
+    ids=[file.relative_to(ROOT).as_posix() for file, _ in BUILTIN_PACKAGE_FILES],
+)
+def test_a_builtin_reaches_another_package_only_through_its_root(file: Path, package: str) -> None:
+    found = cross_package_imports(
+        file.read_text(encoding="utf-8"),
+        filename=file.relative_to(ROOT).as_posix(),
+        package=package,
+        exports=package_exports(),
+    )
+    assert not found, (
+        "a built-in plugin imports another package only as brigade.plugins.<package>, and only "
+        "what that package's __init__ exports in __all__ (export it there):\n"
+        + "\n".join(str(f) for f in found)
+    )
+
+
+CROSS_PACKAGE = """\
+from brigade.plugins.executors.graph_runner import CapturedGraph
+from brigade.plugins.executors import graph_padding
+from brigade.plugins.cpu import cpu_ops
+from brigade.plugins.cpu.gemm import CpuLinear
+import brigade.plugins.cpu.build
+from brigade.plugins.gpu import fused_ops, triton_runs_on
+from ..models.decoder import RMSNorm
+from ..models import TensorParallel
+import brigade.plugins.cpu
+from brigade.interfaces import LayerOps
+
+
+def later():
+    from brigade.plugins.attention.sdpa import SdpaBackend
+    return importlib.import_module("brigade.plugins.kv.paged")
+"""
+
+
+def test_the_checker_finds_every_way_into_another_package() -> None:
+    exports = {
+        "brigade.plugins.cpu": frozenset({"cpu_ops"}),
+        "brigade.plugins.gpu": frozenset({"triton_runs_on"}),
+        "brigade.plugins.models": frozenset({"TensorParallel"}),
+        "brigade.plugins.attention": frozenset({"SdpaBackend"}),
+        "brigade.plugins.kv": frozenset(),
+        "brigade.plugins.executors": frozenset(),
+    }
+    found = cross_package_imports(
+        CROSS_PACKAGE, filename="fake.py", package="brigade.plugins.executors", exports=exports
+    )
+    assert [(f.line, f.module) for f in found] == [
+        (4, "brigade.plugins.cpu.gemm"),
+        (5, "brigade.plugins.cpu.build"),
+        (6, "brigade.plugins.gpu.fused_ops"),
+        (7, "brigade.plugins.models.decoder"),
+        (14, "brigade.plugins.attention.sdpa"),
+        (15, "brigade.plugins.kv.paged"),
+    ]
+
+
+def test_every_builtin_package_exports_what_it_lists() -> None:
+    import importlib
+
+    for root, names in package_exports().items():
+        module = importlib.import_module(root)
+        assert all(hasattr(module, name) for name in names), root
 
 
 def test_the_public_modules_import_and_docs_plugins_md_lists_them() -> None:

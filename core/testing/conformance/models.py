@@ -162,7 +162,7 @@ def check_executor(
 
 def _executor_params(model_dir: str | Path, page_size: int) -> ExecutorParams:
     """An executor's params as core builds them: the model opened once, its architecture
-    picked from the installed plugins; float32 weights, ``sdpa`` attention."""
+    picked from the installed plugins; float32 weights, ``cpu`` attention (its C++ kernels)."""
     from brigade.assemble import model_architecture
     from brigade.models.checkpoint import open_checkpoint
     from brigade.registry import default_registry
@@ -171,7 +171,7 @@ def _executor_params(model_dir: str | Path, page_size: int) -> ExecutorParams:
     return ExecutorParams(
         model_path=checkpoint.path,
         dtype="float32",
-        attention=_sdpa(),
+        attention=_cpu_attention(),
         page_size=page_size,
         kv_cache_dtype="auto",
         max_model_len=0,
@@ -216,7 +216,7 @@ def check_model_architecture(
     params = ExecutorParams(
         model_path=checkpoint.path,
         dtype="float32",
-        attention=_sdpa(),
+        attention=_cpu_attention(),
         page_size=4,
         kv_cache_dtype="auto",
         max_model_len=0,
@@ -246,7 +246,7 @@ def _assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float, wha
     assert error <= atol, f"{what}: max |difference| {error:.3g} > {atol}"
 
 
-def _sdpa() -> AttentionBackend:
-    from brigade.plugins.attention.sdpa import SdpaBackend
+def _cpu_attention() -> AttentionBackend:
+    from brigade.plugins.cpu import CpuAttentionBackend
 
-    return SdpaBackend(NoOptions())
+    return CpuAttentionBackend(NoOptions())

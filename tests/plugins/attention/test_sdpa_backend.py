@@ -1,5 +1,5 @@
-"""The sdpa backend against the naive dense reference in brigade.testing.attention, on its CPU
-kernels (decode and prefill over pages in place) and on SDPA itself."""
+"""The sdpa backend, the pure-torch reference, against the naive dense reference in
+brigade.testing.attention (the cpu backend's C++ kernels are tested in tests/plugins/cpu)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from brigade.interfaces import NoOptions
-from brigade.plugins.attention.sdpa import SdpaBackend, SdpaOptions
+from brigade.plugins.attention.sdpa import SdpaBackend
 from brigade.testing.attention import (
     AttentionCase,
     naive_attention,
@@ -28,12 +28,8 @@ MIXED_ROWS = [
 ]
 
 
-def _backend(native: bool) -> SdpaBackend:
-    return SdpaBackend(SdpaOptions(native_decode=native, native_prefill=native))
-
-
-def _check(case: AttentionCase, native: bool = True) -> None:
-    output, (key_cache, value_cache) = run_backend(_backend(native), case)
+def _check(case: AttentionCase) -> None:
+    output, (key_cache, value_cache) = run_backend(SdpaBackend(NoOptions()), case)
     torch.testing.assert_close(output.double(), naive_attention(case), atol=ATOL, rtol=0)
     slots = case.batch.slot_mapping
     flat_keys = key_cache.flatten(0, 1)  # [num_pages * page_size, kv_heads, head_dim]
@@ -47,7 +43,6 @@ def _case(rows: list[tuple[int, int]], **kwargs: Any) -> AttentionCase:
     return random_attention_case(list(query_lens), list(num_computed), **kwargs)
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["cpu-kernels", "sdpa"])
 @pytest.mark.parametrize("sliding_window", [None, 5])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (4, 2), (8, 2)])
@@ -58,7 +53,6 @@ def test_mixed_batch_matches_reference(
     num_kv_heads: int,
     head_dim: int,
     sliding_window: int | None,
-    native: bool,
 ) -> None:
     _check(
         _case(
@@ -69,8 +63,7 @@ def test_mixed_batch_matches_reference(
             page_size=page_size,
             sliding_window=sliding_window,
             seed=page_size * 1000 + num_heads * 10 + num_kv_heads,
-        ),
-        native,
+        )
     )
 
 
@@ -83,10 +76,7 @@ def test_mixed_batch_matches_reference(
     ],
 )
 @pytest.mark.parametrize("sliding_window", [None, 1, 4, 64])
-@pytest.mark.parametrize("native", [True, False], ids=["cpu-kernels", "sdpa"])
-def test_batch_shapes_and_windows(
-    rows: list[tuple[int, int]], sliding_window: int | None, native: bool
-) -> None:
+def test_batch_shapes_and_windows(rows: list[tuple[int, int]], sliding_window: int | None) -> None:
     _check(
         _case(
             rows,
@@ -95,13 +85,11 @@ def test_batch_shapes_and_windows(
             head_dim=64,
             page_size=4,
             sliding_window=sliding_window,
-        ),
-        native,
+        )
     )
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["cpu-kernels", "sdpa"])
-def test_bfloat16_cache_and_queries_by_tolerance(native: bool) -> None:
+def test_bfloat16_cache_and_queries_by_tolerance() -> None:
     case = _case(
         MIXED_ROWS,
         num_heads=8,
@@ -111,68 +99,22 @@ def test_bfloat16_cache_and_queries_by_tolerance(native: bool) -> None:
         sliding_window=5,
         dtype=torch.bfloat16,
     )
-    output, _ = run_backend(_backend(native), case)
+    output, _ = run_backend(SdpaBackend(NoOptions()), case)
     assert output.dtype == torch.bfloat16
     torch.testing.assert_close(output.double(), naive_attention(case), atol=3e-2, rtol=0)
 
 
-def test_prefill_chunks_take_the_cpu_kernel_not_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
-    case = _case(MIXED_ROWS, num_heads=4, num_kv_heads=2, head_dim=64, page_size=4)
-
-    def no_sdpa(*args: object, **kwargs: object) -> None:
-        raise AssertionError("SDPA ran although the CPU kernels take every row")
-
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", no_sdpa)
-    output, _ = run_backend(_backend(native=True), case)
-    torch.testing.assert_close(output.double(), naive_attention(case), atol=ATOL, rtol=0)
-    with pytest.raises(AssertionError, match="SDPA ran"):
-        run_backend(SdpaBackend(SdpaOptions(native_prefill=False)), case)
-
-
-@pytest.mark.parametrize("amx", [True, False])
-def test_bfloat16_prefill_takes_the_amx_kernel_where_the_cpu_has_amx(
-    monkeypatch: pytest.MonkeyPatch, amx: bool
-) -> None:
-    # On an AMX Xeon the tile kernel took a 512-token bf16 prompt's attention in less time than
-    # torch's flash attention and the vector kernel (docs/benchmarks.md); float32 has no AMX
-    # kernels and stays on the vector kernel, as do CPUs without AMX.
+def test_it_runs_no_cpp_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The reference stays pure torch: its results are what the kernels are checked against.
     from brigade.plugins.cpu import build as cpu_kernels
 
-    built = cpu_kernels.cpu_ops()
-    assert built is not None
-    tiles = amx and bool(built.tiles_usable())
-    calls: list[str] = []
+    def no_kernels() -> None:
+        raise AssertionError("the sdpa backend asked for the C++ kernels")
 
-    class Counting:
-        def __getattr__(self, name: str) -> Any:
-            op = getattr(built, name)
-            if not name.startswith("paged_prefill"):
-                return op
-
-            def counted(*args: Any) -> Any:
-                calls.append(name)
-                return op(*args)
-
-            return counted
-
-    monkeypatch.setattr(cpu_kernels, "has_amx", lambda: amx)
-    monkeypatch.setattr(cpu_kernels, "cpu_ops", lambda: Counting())
-
-    def no_sdpa(*args: object, **kwargs: object) -> None:
-        raise AssertionError("SDPA ran although a kernel takes every prefill chunk")
-
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", no_sdpa)
-    shape: dict[str, Any] = {"num_heads": 8, "num_kv_heads": 2, "head_dim": 64, "page_size": 4}
-    # a decode, a whole prompt, a chunk after cached keys
-    case = _case([(1, 6), (7, 0), (5, 9)], dtype=torch.bfloat16, **shape)
-    output, _ = run_backend(_backend(native=True), case)
-    torch.testing.assert_close(output.double(), naive_attention(case), atol=3e-2, rtol=0)
-    assert calls == ["paged_prefill_tiles" if tiles else "paged_prefill"]
-    calls.clear()
-    case = _case([(1, 6), (7, 0), (5, 9)], **shape)
-    output, _ = run_backend(_backend(native=True), case)
-    torch.testing.assert_close(output.double(), naive_attention(case), atol=ATOL, rtol=0)
-    assert calls == ["paged_prefill"], "float32 stays on the vector kernel"
+    monkeypatch.setattr(cpu_kernels, "cpu_ops", no_kernels)
+    monkeypatch.setattr(cpu_kernels, "paged_decode_kernel", no_kernels)
+    assert SdpaBackend.name == "sdpa"
+    _check(_case(MIXED_ROWS, num_heads=4, num_kv_heads=2, head_dim=64, page_size=4))
 
 
 def test_metadata_is_built_once_per_window_and_reused() -> None:

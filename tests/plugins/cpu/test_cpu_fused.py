@@ -14,6 +14,7 @@ from executor_helpers import CountingOps, make_executor, strided_rows
 from brigade.model_input import SeqChunk, build_model_input
 from brigade.models.create import create_model
 from brigade.plugins.cpu.build import cpu_ops
+from brigade.plugins.cpu.layer_ops import CpuLayerOps
 from brigade.plugins.models.decoder import RMSNorm
 from brigade.plugins.models.rope import apply_rope
 
@@ -175,10 +176,26 @@ def test_the_decoder_gives_the_same_logits_fused_and_unfused(
     fused = make_executor(model_dir, cpu_linear="plain", dtype=dtype, fused_decode=False)
     unfused = make_executor(model_dir, cpu_linear="plain", fused=False, dtype=dtype)
     calls: list[str] = []
-    ops = cpu_ops()
-    counted = CountingOps(ops, calls)
-    fused.model.fusion.ops = lambda x: counted  # type: ignore[attr-defined]  # records the calls
+    counted = CountingOps(CpuLayerOps(cpu_ops()), calls)
+    fused.model.use_layer_ops(lambda x: counted)  # type: ignore[attr-defined]  # records the calls
     for chunk in (SeqChunk(list(range(3, 11)), 0, [1, 2], "all"), SeqChunk([7], 8, [1, 2, 3])):
         batch = build_model_input([chunk], 4)
         torch.testing.assert_close(fused.execute(batch), unfused.execute(batch), atol=atol, rtol=0)
-    assert {"rms_norm", "add_rms_norm", "silu_mul", "rope"} <= set(calls)
+    assert {"rms_norm", "add_rms_norm", "gate_up_silu", "rope"} <= set(calls)
+
+
+def test_the_executor_hands_the_model_the_cpu_kernels_unless_told_not_to(model_dir: Path) -> None:
+    calls: list[str] = []
+    for fused_ops in (True, False):
+        executor = make_executor(model_dir, fused=fused_ops, fused_decode=False)
+        slot = executor.model.layer_ops  # type: ignore[union-attr]
+        provider = slot.provider
+        assert (provider is not None) == fused_ops
+        if provider is None:
+            continue
+        assert isinstance(provider(torch.zeros(2, 4)), CpuLayerOps)
+        assert provider(torch.zeros(2, 4, dtype=torch.float64)) is None  # torch's operations
+        counted = CountingOps(provider(torch.zeros(2, 4)), calls)
+        slot.provider = lambda x, counted=counted: counted
+        executor.execute(build_model_input([SeqChunk([3, 4, 5], 0, [1])], 4))
+    assert {"rms_norm", "add_rms_norm", "gate_up_silu", "rope"} <= set(calls)

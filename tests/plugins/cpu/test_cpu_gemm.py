@@ -20,7 +20,7 @@ from torch import nn
 from brigade.model_input import SeqChunk, build_model_input
 from brigade.models.create import create_model
 from brigade.plugins.cpu import gemm as cpu_gemm
-from brigade.plugins.cpu.gemm import CpuLinear, mark_gate_up, use_cpu_linears
+from brigade.plugins.cpu.gemm import CpuLinear, use_cpu_linears
 
 pytestmark = pytest.mark.skipif(
     not cpu_gemm.onednn_usable(), reason="this torch build has no oneDNN linear op"
@@ -133,10 +133,10 @@ def _check_silu_mul_in_the_gemm(
 @pytest.mark.parametrize("bias", [False, True])
 def test_a_gate_up_projection_packs_in_pairs_and_still_computes_itself(bias: bool) -> None:
     torch.manual_seed(0)
-    model = nn.Sequential(mark_gate_up(nn.Linear(24, 2 * 20, bias=bias)), nn.Linear(24, 40))
+    model = nn.Sequential(nn.Linear(24, 2 * 20, bias=bias), nn.Linear(24, 40))
     weight = model[0].weight.detach().clone()
     b = None if model[0].bias is None else model[0].bias.detach().clone()
-    assert use_cpu_linears(model, "panels") == 2
+    assert use_cpu_linears(model, "panels", gate_up=[model[0]]) == 2
     assert model[0].paired
     assert not model[1].paired
     x = torch.randn(5, 3, 24)
@@ -153,11 +153,12 @@ def test_a_gate_up_projection_packs_in_pairs_and_still_computes_itself(bias: boo
         ops.panel_silu_mul(flat, model[0].gemm_weight, torch.zeros(20), 20)
     with pytest.raises(RuntimeError, match="even number of rows"):
         ops.pack_panels(weight[1:], True)
+    odd = nn.Sequential(nn.Linear(4, 5))
     with pytest.raises(ValueError, match="even width"):
-        mark_gate_up(nn.Linear(4, 5))
+        use_cpu_linears(odd, "panels", gate_up=[odd[0]])
     for mode in ("packed", "onednn"):  # oneDNN's layouts take no pairs
-        model = nn.Sequential(mark_gate_up(nn.Linear(24, 40)))
-        use_cpu_linears(model, mode)
+        model = nn.Sequential(nn.Linear(24, 40))
+        use_cpu_linears(model, mode, gate_up=[model[0]])
         assert not model[0].paired
 
 
@@ -306,7 +307,7 @@ def test_the_tile_gemm_streams_large_outputs_and_cuts_rows_for_long_x(
     got = ops.tile_linear(x, ops.tile_pack(weight), None, out_features)
     expected = F.linear(x.float(), weight.float())
     torch.testing.assert_close(got, expected.bfloat16(), atol=1e-5, rtol=2**-7)
-    linear = mark_gate_up(nn.Linear(in_features, out_features, bias=False, dtype=torch.bfloat16))
+    linear = nn.Linear(in_features, out_features, bias=False, dtype=torch.bfloat16)
     with torch.no_grad():
         linear.weight.copy_(weight)
     layer = CpuLinear(linear, "tiles", gate_up=True)
@@ -327,7 +328,7 @@ def test_silu_mul_in_the_tile_gemm_equals_the_gemm_then_silu_mul(
     K of 2 and 18 steps: the tile loop's epilogue at a block's end, or spread under the next one."""
     torch.manual_seed(width)
     ops = cpu_gemm._panel_ops()
-    linear = mark_gate_up(nn.Linear(in_features, 2 * width, bias=bias, dtype=torch.bfloat16))
+    linear = nn.Linear(in_features, 2 * width, bias=bias, dtype=torch.bfloat16)
     x = torch.randn(rows, in_features).bfloat16()
     projected = ops.tile_linear(x, ops.tile_pack(linear.weight.detach()), linear.bias, 2 * width)
     layer = CpuLinear(linear, "tiles", gate_up=True)

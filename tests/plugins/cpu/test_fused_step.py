@@ -17,6 +17,7 @@ from executor_helpers import PAGE_SIZE, ShuffledPages, make_executor, token_sequ
 
 from brigade.model_input import SeqChunk, build_model_input
 from brigade.models.create import create_model
+from brigade.plugins.cpu import fused_step
 from brigade.plugins.cpu.build import cpu_ops
 
 MODELS = {
@@ -59,30 +60,27 @@ def assert_same_logits(ours: list[torch.Tensor], theirs: list[torch.Tensor], cas
 
 
 @contextlib.contextmanager
-def counting_fused_calls(executor: object) -> Iterator[list[int]]:
-    """Counts the executor's ``decode_layers`` calls (in the list's one element) while open."""
+def counting_fused_calls() -> Iterator[list[int]]:
+    """Counts the fused step's ``decode_layers`` calls (in the list's one element) while
+    open."""
     ops = cpu_ops()
     assert ops is not None, "the CPU kernels failed to build"
     calls = [0]
-    fusion = executor.model.fusion  # type: ignore[attr-defined]
-    original = fusion.ops
 
     class Counting:
         def __getattr__(self, name: str) -> object:
             calls[0] += name == "decode_layers"
             return getattr(ops, name)
 
-    fusion.ops = lambda x: Counting() if original(x) is not None else None
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fused_step, "cpu_ops", Counting)
         yield calls
-    finally:
-        fusion.ops = original
 
 
 def decode_logits(executor: object, steps: int = 4) -> tuple[list[torch.Tensor], int]:
     """Prefill three prompts, then ``steps`` greedy decode steps of all three rows; returns
     each decode step's logits and how often ``decode_layers`` ran (prefills included)."""
-    with counting_fused_calls(executor) as calls:
+    with counting_fused_calls() as calls:
         return _decode_logits(executor, steps), calls[0]
 
 
@@ -132,7 +130,7 @@ def mixed_logits(executor: object) -> tuple[list[torch.Tensor], int]:
     prompts = token_sequences([7, 4, 21], seed=6)
     tables = [pages.take(len(p) + 3) for p in prompts]
     outputs = []
-    with counting_fused_calls(executor) as calls:
+    with counting_fused_calls() as calls:
         steps = [
             [SeqChunk(prompts[0], 0, tables[0]), SeqChunk(prompts[1], 0, tables[1])],
             [
@@ -157,7 +155,7 @@ def mixed_logits(executor: object) -> tuple[list[torch.Tensor], int]:
 def test_fused_steps_with_prefill_chunks_equal_the_eager_layers(
     model_dirs: dict[str, Path], arch: str, cpu_linear: str, dtype: str
 ) -> None:
-    # The chunks' attention by the sdpa backend's C++ prefill kernel (on AMX tiles for
+    # The chunks' attention by the cpu backend's C++ prefill kernel (on AMX tiles for
     # bfloat16 where the CPU has them), in the fused call as in the eager layers.
     fused, eager = fused_and_eager(model_dirs[arch], cpu_linear, dtype)
     ours, fused_calls = mixed_logits(fused)
@@ -190,3 +188,21 @@ def test_prefill_chunks_without_the_cpp_prefill_kernel_keep_the_eager_layers(
     assert calls == 0
     _, calls = decode_logits(executor, steps=1)  # its decode step still fused
     assert calls == 1
+
+
+def test_the_default_cpu_stack_runs_the_fused_step(
+    model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # No station named: on a CPU the machine's defaults (the torch executor, the cpu attention
+    # backend) put the steps of a generation on the fused step.
+    from brigade import LLM, SamplingParams
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    directory = model_dirs["llama"]
+    llm = LLM(overrides=[f"model.path={directory}", "kv.page_size=4", "kv.num_pages=64"])
+    assert llm.config.plugin("attention") == "cpu"
+    with counting_fused_calls() as calls:
+        outputs = llm.generate([[5, 9, 13], [7, 2]], SamplingParams(max_tokens=4))
+    assert [len(output.outputs[0].token_ids) for output in outputs] == [4, 4]
+    # the prefill and three decode steps (at least: the engine may split them further)
+    assert calls[0] >= 4, "the fused step did not run"

@@ -18,6 +18,7 @@ from triton_helpers import DEVICE, INTERPRETED, gpu_only, needs_kernels
 
 from brigade.model_input import SeqChunk, build_model_input
 from brigade.models.create import create_model
+from brigade.plugins.gpu import TritonLayerOps
 from brigade.plugins.gpu import fused_ops as triton_fused
 from brigade.plugins.models.decoder import RMSNorm
 from brigade.plugins.models.rope import apply_rope
@@ -128,11 +129,12 @@ def test_the_decoder_gives_the_same_logits_with_the_triton_kernels(model_dir: Pa
     fused = make_executor(model_dir, cpu_linear="plain", fused_decode=False)
     unfused = make_executor(model_dir, cpu_linear="plain", fused=False)
     calls: list[str] = []
-    fused.model.fusion.ops = lambda x: CountingOps(triton_fused, calls)  # type: ignore[attr-defined]
+    triton_ops = TritonLayerOps(triton_fused)
+    fused.model.use_layer_ops(lambda x: CountingOps(triton_ops, calls))  # type: ignore[attr-defined]
     for chunk in (SeqChunk(list(range(3, 11)), 0, [1, 2], "all"), SeqChunk([7], 8, [1, 2, 3])):
         batch = build_model_input([chunk], 4)
         torch.testing.assert_close(fused.execute(batch), unfused.execute(batch), atol=2e-5, rtol=0)
-    assert {"rms_norm", "add_rms_norm", "silu_mul", "rope"} <= set(calls)
+    assert {"rms_norm", "add_rms_norm", "gate_up_silu", "rope"} <= set(calls)
 
 
 @pytest.mark.gpu
