@@ -16,13 +16,30 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from brigade.interfaces import AttentionBackend, AttentionLayer, ModelInput
 from brigade.model_input import SeqChunk, build_model_input
 
-__all__ = ["AttentionCase", "naive_attention", "random_attention_case", "run_backend"]
+__all__ = [
+    "MIXED_ROWS",
+    "AttentionCase",
+    "case_from_rows",
+    "check_backend",
+    "naive_attention",
+    "random_attention_case",
+    "run_backend",
+]
+
+MIXED_ROWS = (
+    # decodes whose contexts end mid-page, on a page boundary, and after a long context
+    *[(1, 6), (1, 15), (1, 20)],
+    # a fresh prefill, a single-token prompt, and a second chunk after a cached first one
+    *[(7, 0), (1, 0), (5, 9)],
+)
+"""(new tokens, cached tokens) of a step's rows that reach every path of a backend."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -178,3 +195,22 @@ def run_backend(
     metadata = backend.build_metadata(case.batch)
     output = backend.forward(case.layer, case.query, case.key, case.value, kv_cache, metadata)
     return output, kv_cache
+
+
+def case_from_rows(rows: Sequence[tuple[int, int]], **kwargs: Any) -> AttentionCase:
+    """:func:`random_attention_case` from (new tokens, cached tokens) per row."""
+    query_lens, num_computed = zip(*rows, strict=True)
+    return random_attention_case(list(query_lens), list(num_computed), **kwargs)
+
+
+def check_backend(backend: AttentionBackend, case: AttentionCase, atol: float) -> None:
+    """Assert that ``backend`` attends like :func:`naive_attention` (within ``atol``) and writes
+    the new K/V exactly at ``slot_mapping``."""
+    output, (key_cache, value_cache) = run_backend(backend, case)
+    assert output.dtype == case.query.dtype
+    torch.testing.assert_close(output.double(), naive_attention(case), atol=atol, rtol=0)
+    slots = case.batch.slot_mapping
+    flat_keys = key_cache.flatten(0, 1)  # [num_pages * page_size, kv_heads, head_dim]
+    flat_values = value_cache.flatten(0, 1)  # [num_pages * page_size, kv_heads, head_dim]
+    torch.testing.assert_close(flat_keys[slots], case.key.to(key_cache.dtype), atol=0, rtol=0)
+    torch.testing.assert_close(flat_values[slots], case.value.to(value_cache.dtype), atol=0, rtol=0)

@@ -1,6 +1,6 @@
-"""The cpu attention backend against the naive dense reference in brigade.testing.attention, on
-its C++ kernels (decode and prefill over pages in place) and on the sdpa paths it falls back
-on (its kernels off, or not built)."""
+"""What only the cpu attention backend does: which kernel takes which rows, its fallback when the
+kernels cannot be built, its registration (its results against the reference, kernels on and
+off: tests/plugins/attention/test_paged_attention.py)."""
 
 from __future__ import annotations
 
@@ -13,114 +13,18 @@ from brigade.interfaces import NoOptions
 from brigade.plugins.cpu import attention as cpu_attention
 from brigade.plugins.cpu import build as cpu_kernels
 from brigade.plugins.cpu.attention import CpuAttentionBackend, CpuAttentionOptions
-from brigade.testing.attention import (
-    AttentionCase,
-    naive_attention,
-    random_attention_case,
-    run_backend,
-)
+from brigade.testing.attention import MIXED_ROWS, case_from_rows, naive_attention, run_backend
 
 ATOL = 1e-5
 """fp32 output vs the float64 reference (unit-variance inputs); measured max ~1.2e-6."""
-
-MIXED_ROWS = [
-    # decodes whose contexts end mid-page, on a page boundary, and after a long context
-    *[(1, 6), (1, 15), (1, 20)],
-    # a fresh prefill, a single-token prompt, and a second chunk after a cached first one
-    *[(7, 0), (1, 0), (5, 9)],
-]
 
 
 def _backend(native: bool) -> CpuAttentionBackend:
     return CpuAttentionBackend(CpuAttentionOptions(native_decode=native, native_prefill=native))
 
 
-def _check(case: AttentionCase, native: bool = True) -> None:
-    output, (key_cache, value_cache) = run_backend(_backend(native), case)
-    torch.testing.assert_close(output.double(), naive_attention(case), atol=ATOL, rtol=0)
-    slots = case.batch.slot_mapping
-    flat_keys = key_cache.flatten(0, 1)  # [num_pages * page_size, kv_heads, head_dim]
-    flat_values = value_cache.flatten(0, 1)  # [num_pages * page_size, kv_heads, head_dim]
-    torch.testing.assert_close(flat_keys[slots], case.key, atol=0, rtol=0)
-    torch.testing.assert_close(flat_values[slots], case.value, atol=0, rtol=0)
-
-
-def _case(rows: list[tuple[int, int]], **kwargs: Any) -> AttentionCase:
-    query_lens, num_computed = zip(*rows, strict=True)
-    return random_attention_case(list(query_lens), list(num_computed), **kwargs)
-
-
-@pytest.mark.parametrize("native", [True, False], ids=["cpu-kernels", "sdpa"])
-@pytest.mark.parametrize("sliding_window", [None, 5])
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (4, 2), (8, 2)])
-@pytest.mark.parametrize("page_size", [1, 4, 16])
-def test_mixed_batch_matches_reference(
-    page_size: int,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    sliding_window: int | None,
-    native: bool,
-) -> None:
-    _check(
-        _case(
-            MIXED_ROWS,
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            page_size=page_size,
-            sliding_window=sliding_window,
-            seed=page_size * 1000 + num_heads * 10 + num_kv_heads,
-        ),
-        native,
-    )
-
-
-@pytest.mark.parametrize(
-    "rows",
-    [
-        pytest.param([(1, 3), (1, 30), (1, 1)], id="pure-decode"),
-        pytest.param([(12, 0), (3, 0), (9, 20)], id="pure-prefill"),
-        pytest.param([(1, 0)], id="one-token-prompt"),
-    ],
-)
-@pytest.mark.parametrize("sliding_window", [None, 1, 4, 64])
-@pytest.mark.parametrize("native", [True, False], ids=["cpu-kernels", "sdpa"])
-def test_batch_shapes_and_windows(
-    rows: list[tuple[int, int]], sliding_window: int | None, native: bool
-) -> None:
-    _check(
-        _case(
-            rows,
-            num_heads=4,
-            num_kv_heads=2,
-            head_dim=64,
-            page_size=4,
-            sliding_window=sliding_window,
-        ),
-        native,
-    )
-
-
-@pytest.mark.parametrize("native", [True, False], ids=["cpu-kernels", "sdpa"])
-def test_bfloat16_cache_and_queries_by_tolerance(native: bool) -> None:
-    case = _case(
-        MIXED_ROWS,
-        num_heads=8,
-        num_kv_heads=2,
-        head_dim=64,
-        page_size=4,
-        sliding_window=5,
-        dtype=torch.bfloat16,
-    )
-    output, _ = run_backend(_backend(native), case)
-    assert output.dtype == torch.bfloat16
-    torch.testing.assert_close(output.double(), naive_attention(case), atol=3e-2, rtol=0)
-
-
 def test_prefill_chunks_take_the_cpu_kernel_not_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
-    case = _case(MIXED_ROWS, num_heads=4, num_kv_heads=2, head_dim=64, page_size=4)
+    case = case_from_rows(MIXED_ROWS, num_heads=4, num_kv_heads=2, head_dim=64, page_size=4)
 
     def no_sdpa(*args: object, **kwargs: object) -> None:
         raise AssertionError("SDPA ran although the CPU kernels take every row")
@@ -166,12 +70,12 @@ def test_bfloat16_prefill_takes_the_amx_kernel_where_the_cpu_has_amx(
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", no_sdpa)
     shape: dict[str, Any] = {"num_heads": 8, "num_kv_heads": 2, "head_dim": 64, "page_size": 4}
     # a decode, a whole prompt, a chunk after cached keys
-    case = _case([(1, 6), (7, 0), (5, 9)], dtype=torch.bfloat16, **shape)
+    case = case_from_rows([(1, 6), (7, 0), (5, 9)], dtype=torch.bfloat16, **shape)
     output, _ = run_backend(_backend(native=True), case)
     torch.testing.assert_close(output.double(), naive_attention(case), atol=3e-2, rtol=0)
     assert calls == ["paged_prefill_tiles" if tiles else "paged_prefill"]
     calls.clear()
-    case = _case([(1, 6), (7, 0), (5, 9)], **shape)
+    case = case_from_rows([(1, 6), (7, 0), (5, 9)], **shape)
     output, _ = run_backend(_backend(native=True), case)
     torch.testing.assert_close(output.double(), naive_attention(case), atol=ATOL, rtol=0)
     assert calls == ["paged_prefill"], "float32 stays on the vector kernel"
@@ -182,7 +86,7 @@ def test_without_the_kernels_it_attends_as_sdpa(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(cpu_attention, "cpu_ops", lambda: None)
     monkeypatch.setattr(cpu_attention, "paged_decode_kernel", lambda: None)
     backend = CpuAttentionBackend(NoOptions())
-    case = _case(MIXED_ROWS, num_heads=4, num_kv_heads=2, head_dim=64, page_size=4)
+    case = case_from_rows(MIXED_ROWS, num_heads=4, num_kv_heads=2, head_dim=64, page_size=4)
     output, _ = run_backend(backend, case)
     torch.testing.assert_close(output.double(), naive_attention(case), atol=ATOL, rtol=0)
     assert backend.decode_kernel(torch.device("cpu")) is None
