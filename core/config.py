@@ -416,9 +416,27 @@ def _build_station(
         if key not in plugin_keys:
             chain_keys = [station.chain_options_key] if station.chain_options_key else []
             allowed = ["plugin", *sorted(setting_keys), *chain_keys, *plugin_keys]
-            raise unknown_key_error(f"{where} ({plugin})", key, allowed)
+            error = unknown_key_error(f"{where} ({plugin})", key, allowed)
+            takers = _plugins_taking(registry, station, key)
+            if takers:
+                names = " or ".join(repr(name) for name in takers)
+                error = ConfigError(f"{error}; it is an option of {station.name} plugin {names}")
+            raise error
     options = build_options(component.options_type, plugin_values, f"{where} ({plugin})")
     return StationConfig(plugin=plugin, settings=settings, options=options, chain=chain)
+
+
+def _plugins_taking(registry: Registry, station: Station, key: str) -> list[str]:
+    """The installed plugins of ``station`` whose options include ``key`` (a key that moved
+    between plugins, e.g. ``native_decode`` from ``sdpa`` to ``cpu``)."""
+    if not station.kind:
+        return []
+    return [
+        name
+        for name in registry.names(station.kind)
+        if key
+        in {f.name for f in dataclasses.fields(registry.get(station.kind, name).options_type)}
+    ]
 
 
 def _build_chain(

@@ -80,6 +80,10 @@ def test_file_values_are_typed_and_frozen(tmp_path: Path, registry: Registry) ->
         ('[attention]\nplugin = "flash"\n', r"no attention plugin named 'flash'.*sdpa"),
         ('[scheduler]\nplugin = "lottery"\n', r"no scheduler plugin named 'lottery'.*: fcfs"),
         ("[executor]\nthreads = 2\n", r"\(torch\): unknown key 'threads'.*num_threads"),
+        (
+            '[attention]\nplugin = "sdpa"\nnative_decode = false\n',
+            r"\(sdpa\): unknown key 'native_decode'.*an option of attention plugin 'cpu'",
+        ),
         ('[executor]\ndevice = "tpu"\n', r"device = 'tpu' is not allowed"),
         ("kv = 3\n", r"top-level key 'kv' must be a table"),
         ("[kv\n", r"not valid TOML"),
