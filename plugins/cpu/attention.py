@@ -117,9 +117,8 @@ class CpuAttentionBackend(SdpaBackend):
         kernel, lanes = self._prefill
         if not kernels_take_head_dim(layer.head_dim, lanes):
             return None
-        # bfloat16 on a CPU with AMX: the products on AMX tiles. On an AMX Xeon a 512-token
-        # SmolLM2 prompt's attention took ~20 ms there, 32 in torch's flash attention (also on
-        # AMX) and 55 on the vector kernel (docs/benchmarks.md).
+        # bfloat16 on a CPU with AMX: the products on AMX tiles, faster there than torch's flash
+        # attention and the vector kernel (measured in docs/benchmarks.md).
         if self._prefill_tiles is not None and query.dtype == key_cache.dtype == torch.bfloat16:
             return PrefillKernel(self._prefill_tiles, tiles=True)
         return PrefillKernel(kernel, tiles=False)
