@@ -235,7 +235,7 @@ def chat_response(
         message = ChatMessageOut(output.text, "assistant")
         finish_reason = output.finish_reason
         if tool_calls:
-            content, calls = parse_tool_calls(output.text, truncated=finish_reason == "length")
+            content, calls = parse_tool_calls(output.text)
             message = ChatMessageOut(content, "assistant", tool_call_dicts(calls) or None)
             if calls and finish_reason == "stop":
                 finish_reason = "tool_calls"

@@ -300,7 +300,7 @@ async def create_response(
     status = _status(collected.finish_reason)
     text, calls = collected.text, list[ToolCall]()
     if run.calls_tools:
-        content, calls = parse_tool_calls(text, truncated=collected.finish_reason == "length")
+        content, calls = parse_tool_calls(text)
         text = content or ""
     output = []
     if text:
@@ -406,8 +406,7 @@ async def _deltas_until_failure(
 def _split(parser: ToolCallStream | None, delta: ChoiceDelta) -> tuple[str, list[ToolCall]]:
     if parser is None:
         return delta.text, []
-    final = delta.finish_reason is not None
-    return parser.feed(delta.text, final=final, truncated=delta.finish_reason == "length")
+    return parser.feed(delta.text, final=delta.finish_reason is not None)
 
 
 def _open_message(event: _EventWriter, message: dict[str, Any], index: int) -> list[bytes]:

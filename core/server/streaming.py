@@ -167,9 +167,7 @@ def _split_tool_calls(
     parser = parsers.setdefault(delta.index, ToolCallStream())
     finish_reason = delta.finish_reason
     first = parser.num_calls
-    content, parsed = parser.feed(
-        delta.text, final=finish_reason is not None, truncated=finish_reason == "length"
-    )
+    content, parsed = parser.feed(delta.text, final=finish_reason is not None)
     calls = tool_call_dicts(parsed, first_index=first) or None
     if finish_reason == "stop" and parser.num_calls:
         finish_reason = "tool_calls"

@@ -208,13 +208,13 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def parse_tool_calls(text: str, *, truncated: bool = False) -> tuple[str | None, list[ToolCall]]:
+def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
     """Split generated text into its free text and its ``<tool_call>`` blocks.
 
-    Blocks that do not parse stay in the text. With ``truncated`` (the answer was cut at
-    ``max_tokens``), a last block that was opened but never closed is a truncated call: its
-    arguments as far as they got (not valid JSON, as OpenAI reports a call cut by length), or
-    nothing when even its name was cut; it never stays in the text.
+    Blocks that do not parse stay in the text, and so does a block that was opened but never
+    closed (an answer cut at ``max_tokens``): a call is returned only whole, with arguments
+    that are valid JSON, as vLLM does; the cut text is the content and the finish reason says
+    ``length``.
     """
     calls: list[ToolCall] = []
     kept: list[str] = []
@@ -226,31 +226,9 @@ def parse_tool_calls(text: str, *, truncated: bool = False) -> tuple[str | None,
         kept.append(text[position : match.start()])
         position = match.end()
         calls.append(call)
-    rest = text[position:]
-    opened = rest.find(CALL_BEGIN)
-    if truncated and opened >= 0 and CALL_END not in rest[opened:]:
-        partial = _partial_call(rest[opened + len(CALL_BEGIN) :])
-        if partial is not None:
-            calls.append(partial)
-        rest = rest[:opened]
-    elif truncated:  # cut inside the opening tag itself
-        rest = rest[: len(rest) - _partial_suffix(rest, CALL_BEGIN)]
-    kept.append(rest)
+    kept.append(text[position:])
     content = "".join(kept).strip()
     return content or None, calls
-
-
-_PARTIAL = re.compile(r'\s*\{"name": "((?:[^"\\]|\\.)*)", "arguments": (.*)', re.DOTALL)
-"""The head of a call (``structured_output``'s ``begin``) with whatever arguments followed."""
-
-
-def _partial_call(body: str) -> ToolCall | None:
-    """The call a cut block had started: its name, and its arguments so far."""
-    match = _PARTIAL.match(body)
-    if match is None:
-        return None
-    name = json.loads(f'"{match[1]}"')
-    return ToolCall(new_call_id(), name, match[2].rstrip())
 
 
 def _parse_call(body: str) -> ToolCall | None:
@@ -275,34 +253,26 @@ class ToolCallStream:
         self._pending = ""
         self.num_calls = 0
 
-    def feed(
-        self, text: str, *, final: bool = False, truncated: bool = False
-    ) -> tuple[str, list[ToolCall]]:
-        """Content to send now and the calls completed by ``text``; on the ``final`` text of
-        an answer cut at ``max_tokens`` (``truncated``), an unfinished call is emitted as a
-        truncated call (see :func:`parse_tool_calls`), never as content."""
+    def feed(self, text: str, *, final: bool = False) -> tuple[str, list[ToolCall]]:
+        """Content to send now and the calls completed by ``text``; on the ``final`` text, a
+        call that never closed (an answer cut at ``max_tokens``) is sent as content, never as
+        a call (see :func:`parse_tool_calls`)."""
         self._pending += text
         content: list[str] = []
         calls: list[ToolCall] = []
         while True:
             start = self._pending.find(CALL_BEGIN)
             if start < 0:
-                keep = _partial_suffix(self._pending, CALL_BEGIN)
-                if final and not truncated:
-                    keep = 0
+                keep = 0 if final else _partial_suffix(self._pending, CALL_BEGIN)
                 cut = len(self._pending) - keep
                 content.append(self._pending[:cut])
-                self._pending = "" if final else self._pending[cut:]  # cut: a tag's start
+                self._pending = self._pending[cut:]  # cut: a tag's start
                 break
             content.append(self._pending[:start])
             self._pending = self._pending[start:]
             end = self._pending.find(CALL_END)
             if end < 0:
-                if final and truncated:  # cut at max_tokens: a truncated call, or nothing
-                    _, partial = parse_tool_calls(self._pending, truncated=True)
-                    calls.extend(partial)
-                    self._pending = ""
-                elif final:  # cannot happen under the grammar: hand it over as text
+                if final:  # never closed: hand it over as text
                     content.append(self._pending)
                     self._pending = ""
                 break

@@ -167,29 +167,29 @@ def test_tool_calls_are_parsed_out_of_the_text() -> None:
     assert parse_tool_calls(cut) == (cut, [])
 
 
-def test_a_call_cut_at_max_tokens_is_a_truncated_call_not_content() -> None:
+def test_a_call_cut_at_max_tokens_is_content_never_a_call() -> None:
+    # vLLM's answer to a call cut by the token limit: no tool_calls entry with invalid JSON
+    # arguments, the cut text as content (the finish reason says length).
     head = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": '
-    content, calls = parse_tool_calls(head + '{"city": "Os', truncated=True)
-    assert content == "Checking."
-    assert [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Os')]
+    for cut in ('{"city": "Os', '{"city": "Paris"}}', ""):
+        assert parse_tool_calls(head + cut) == ((head + cut).strip(), [])
     for cut in ('<tool_call>\n{"name": "get_wea', "<tool_call>", "<tool_c"):
-        assert parse_tool_calls("Checking. " + cut, truncated=True) == ("Checking.", [])
+        assert parse_tool_calls("Checking. " + cut) == ("Checking. " + cut, [])
     whole = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\n'
-    content, calls = parse_tool_calls(whole + head + "{", truncated=True)
-    assert content == "Checking."
-    assert [c.name for c in calls] == ["get_time", "get_weather"]
-    text = head + '{"city": "Oslo", "te'
+    content, calls = parse_tool_calls(whole + head + "{")
+    assert content == head + "{"
+    assert [(c.name, c.arguments) for c in calls] == [("get_time", "{}")]
+    text = whole + head + '{"city": "Oslo", "te'
     for size in (1, 4, len(text)):
         stream = ToolCallStream()
         streamed, found = "", []
         pieces = [text[i : i + size] for i in range(0, len(text), size)]
         for index, piece in enumerate(pieces):
-            last = index == len(pieces) - 1
-            out, parsed = stream.feed(piece, final=last, truncated=last)
+            out, parsed = stream.feed(piece, final=index == len(pieces) - 1)
             streamed += out
             found += [(c.name, c.arguments) for c in parsed]
-        assert streamed == "Checking.\n"
-        assert found == [("get_weather", '{"city": "Oslo", "te')]
+        assert streamed == "\n" + head + '{"city": "Oslo", "te'
+        assert found == [("get_time", "{}")]
 
 
 def test_streamed_tool_calls_hold_back_partial_tags() -> None:
